@@ -1,0 +1,453 @@
+"""The :class:`Checkpointer`: asynchronous saves to a root directory or URL, and loads.
+
+``async_save`` runs plan and stage on the caller's thread (the only part that blocks training),
+then hands the save to a background completion thread which asks the writer process to write
+the shards and finalizes the checkpoint.  Saves complete in the order they were made.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .commit import ComponentInfo, finalize_checkpoint
+from .errors import CheckpointExistsError, CheckpointNotFoundError, CkptdError, ConfigError
+from .flatten import FlatComponent, flatten_component
+from .loader import CheckpointReader
+from .manager import (
+    CheckpointInfo,
+    apply_retention,
+    checkpoint_dir_name,
+    collect_garbage,
+    latest_checkpoint,
+    list_checkpoints,
+    read_manifest,
+    staging_dir_name,
+)
+from .manifest import MANIFEST_NAME, FileRecord, Manifest, tensor_records_from_plan
+from .checksum import format_crc
+from .options import CheckpointerOptions
+from .planner import SavePlan, describe_tensors, layout_signature, plan_save
+from .protocol import FileSpec, FilesWritten
+from .request import SaveRequest, SaveResult
+from .restore import read_components, restore_components
+from .staging import StagingArena, StagingPool
+from .storage import is_local, local_path, storage_for
+from .writer import WriterClient
+
+__all__ = ["Checkpointer"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Job:
+    request: SaveRequest
+    arena: StagingArena
+    plan: SavePlan
+    components: tuple[FlatComponent, ...]
+    trees: dict[str, Any]
+    metadata: dict[str, Any]
+    metrics: dict[str, Any]
+    overwrite: bool
+    timings: dict[str, float]
+    started: float
+
+
+class Checkpointer:
+    """Saves and loads training state under ``root`` (a path or an fsspec URL).
+
+    Each save becomes ``<root>/checkpoint-<step>/`` holding HF-compatible safetensors shards per
+    component (``model-00001-of-00002.safetensors`` + ``model.safetensors.index.json``...),
+    ``state.json`` for non-tensor state and ``checkpoint_manifest.json``, written last.
+
+    Args:
+        root: directory or URL holding the checkpoints.
+        max_shard_size: largest shard file, as bytes or ``"2GB"``/``"512MiB"``.
+        storage_options: passed to fsspec for URLs.
+        max_in_flight: saves that may be staged while earlier ones are still being written.
+        keep_last: keep only this many newest checkpoints (older ones are deleted after a commit).
+        allow_pickle: allow arbitrary objects in the state (pickled); loading needs it too.
+        fsync: make files durable before committing (local storage).
+        write_threads: files the writer writes at once.
+        chunk_size: bytes per write call in the writer.
+        writer_nice: CPU niceness increment of the writer process.
+
+    Use as a context manager, or call :meth:`close`; pending saves are finished first.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        max_shard_size: int | str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        max_in_flight: int | None = None,
+        keep_last: int | None = None,
+        allow_pickle: bool = False,
+        fsync: bool = True,
+        write_threads: int | None = None,
+        chunk_size: int | str | None = None,
+        writer_nice: int = 0,
+    ) -> None:
+        root = os.fspath(root)
+        self.options = CheckpointerOptions.resolve(
+            max_shard_size=max_shard_size,
+            chunk_size=chunk_size,
+            max_in_flight=max_in_flight,
+            write_threads=write_threads,
+            fsync=fsync,
+            keep_last=keep_last,
+            allow_pickle=allow_pickle,
+            storage_options=storage_options,
+        )
+        self.root = local_path(root) if is_local(root) else root.rstrip("/")
+        self.storage = storage_for(self.root, self.options.storage_options)
+        self.storage.makedirs(self.root)
+        if self.storage.local:
+            collect_garbage(self.storage, self.root)
+        self._writer = WriterClient(start_timeout=self.options.writer_start_timeout, nice=writer_nice, label=self.root)
+        self._pool = StagingPool(self._writer, self.options.max_in_flight)
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._pending: list[SaveRequest] = []
+        self._pending_lock = threading.Lock()
+        self._save_lock = threading.Lock()
+        self._closed = False
+        self._plan: SavePlan | None = None
+        self._completer = threading.Thread(target=self._complete_jobs, name="ckptd-commit", daemon=True)
+        self._completer.start()
+        threading.Thread(target=self._start_writer, name="ckptd-writer-start", daemon=True).start()
+        self._atexit = _register_atexit(self)
+
+    # ---- paths and listing -----------------------------------------------------------------
+
+    def path_for(self, step: int) -> str:
+        """Where the checkpoint of ``step`` lives (or will)."""
+        return self.storage.join(self.root, checkpoint_dir_name(step))
+
+    def list(self) -> list[CheckpointInfo]:
+        """Committed checkpoints, oldest step first (directories without a manifest are ignored)."""
+        return list_checkpoints(self.storage, self.root)
+
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints, ascending."""
+        return [info.step for info in self.list()]
+
+    def latest_step(self) -> int | None:
+        """The highest committed step, or ``None`` if there is no checkpoint yet."""
+        info = latest_checkpoint(self.storage, self.root)
+        return info.step if info else None
+
+    def manifest(self, step: int | str = "latest") -> Manifest:
+        """The manifest of a committed checkpoint (``"latest"``, a step, or a path)."""
+        path = self._resolve(step)
+        manifest = read_manifest(self.storage, path)
+        if manifest is None:
+            raise CheckpointNotFoundError(f"{path} is not a committed ckptd checkpoint")
+        return manifest
+
+    def _resolve(self, step: int | str | os.PathLike[str]) -> str:
+        if step == "latest":
+            info = latest_checkpoint(self.storage, self.root)
+            if info is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
+            return info.path
+        if isinstance(step, bool) or not isinstance(step, (int, str, os.PathLike)):
+            raise ConfigError(f"step must be an int, 'latest' or a path, got {step!r}")
+        if isinstance(step, int):
+            return self.path_for(step)
+        path = os.fspath(step)
+        return local_path(path) if is_local(path) and self.storage.local else path
+
+    # ---- saving ----------------------------------------------------------------------------
+
+    def async_save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+        allow_pickle: bool | None = None,
+    ) -> SaveRequest:
+        """Snapshot ``state`` and return at once; the writer process persists it in the background.
+
+        ``state`` maps component names to modules, optimizers, schedulers, objects with
+        ``state_dict()``, dicts, tensors or plain values.  When this returns, the caller may
+        mutate or free its tensors.  If ``max_in_flight`` saves are still being written, this
+        waits for one to finish first (back-pressure; reported as ``timings["wait"]``).
+
+        Raises before anything is written if the state holds values that cannot be stored
+        (:class:`~ckptd.errors.UnsupportedValueError`) or the checkpoint already exists.
+        """
+        started = time.perf_counter()
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        if not isinstance(state, Mapping) or not state:
+            raise ConfigError("state must be a non-empty mapping of component names to state")
+        final = self.path_for(step)
+        if not overwrite and self.storage.exists(self.storage.join(final, MANIFEST_NAME)):
+            raise CheckpointExistsError(f"checkpoint {final} already exists; pass overwrite=True to replace it")
+        pickle_ok = self.options.allow_pickle if allow_pickle is None else allow_pickle
+        with self._save_lock:
+            components = tuple(flatten_component(name, value, allow_pickle=pickle_ok) for name, value in state.items())
+            plan = self._plan_for(components)
+            planned = time.perf_counter()
+            arena, waited = self._pool.acquire(plan)
+            staged_at = time.perf_counter()
+            try:
+                arena.stage({c.name: c.tensors for c in components})
+            except BaseException:
+                self._pool.release(arena)
+                raise
+            done = time.perf_counter()
+        request = SaveRequest(step, final)
+        request.timings.update(plan=planned - started, wait=waited, stage=done - staged_at, blocking=done - started)
+        request.staged.set()
+        with self._pending_lock:
+            self._pending.append(request)
+        self._jobs.put(
+            _Job(
+                request=request,
+                arena=arena,
+                plan=plan,
+                components=components,
+                trees={c.name: c.tree for c in components},
+                metadata=dict(metadata or {}),
+                metrics=dict(metrics or {}),
+                overwrite=overwrite,
+                timings=dict(request.timings),
+                started=started,
+            )
+        )
+        return request
+
+    def save(self, step: int, state: Mapping[str, Any], **kwargs: Any) -> SaveResult:
+        """Save and wait for the commit; same arguments as :meth:`async_save`."""
+        return self.async_save(step, state, **kwargs).result()
+
+    def _plan_for(self, components: tuple[FlatComponent, ...]) -> SavePlan:
+        described = [(c.name, describe_tensors(c.name, c.tensors)) for c in components]
+        plan = self._plan
+        if plan is not None and plan.signature == layout_signature(described, self.options.max_shard_size):
+            return plan
+        self._plan = plan_save(described, self.options.max_shard_size)
+        return self._plan
+
+    def _start_writer(self) -> None:
+        try:
+            self._writer.ensure_running()
+        except CkptdError as e:  # reported again by the first save
+            logger.warning("ckptd writer did not start: %s", e)
+
+    # ---- completion (background thread) ----------------------------------------------------
+
+    def _complete_jobs(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                result = self._complete(job)
+            except BaseException as e:  # noqa: BLE001 - stored in the request, raised by wait()
+                logger.error("ckptd: save of step %s to %s failed: %s", job.request.step, job.request.path, e)
+                job.request._set_exception(e)
+            else:
+                job.request._set_result(result)
+            finally:
+                with self._pending_lock:
+                    if job.request in self._pending:
+                        self._pending.remove(job.request)
+
+    def _complete(self, job: _Job) -> SaveResult:
+        storage = self.storage
+        final = job.request.path
+        staging = storage.join(self.root, staging_dir_name(job.request.step or 0)) if storage.local else final
+        timings = dict(job.timings)
+        try:
+            try:
+                storage.makedirs(staging)
+                write_started = time.perf_counter()
+                future = self._writer.write_files(
+                    arena_id=job.arena.arena_id,
+                    directory=staging,
+                    files=[FileSpec(s.file_name, s.arena_offset, s.size) for s in job.plan.shards],
+                    storage_options=self.options.storage_options,
+                    fsync=self.options.fsync,
+                    chunk_size=self.options.chunk_size,
+                    threads=self.options.write_threads,
+                    abandon_directory=staging if storage.local else None,
+                )
+                written = future.result()
+                timings["write"] = time.perf_counter() - write_started
+            finally:
+                self._pool.release(job.arena)
+            if not isinstance(written, FilesWritten):
+                raise CkptdError(f"unexpected writer answer {written!r}")
+            manifest = finalize_checkpoint(
+                storage,
+                staging,
+                final,
+                step=job.request.step,
+                written={r.name: FileRecord(r.size, format_crc(r.crc32c)) for r in written.results},
+                expected_sizes={s.file_name: s.size for s in job.plan.shards},
+                tensors=tensor_records_from_plan(job.plan.shards),
+                components=[ComponentInfo(c.name, "safetensors", c.tied) for c in job.components],
+                trees=job.trees,
+                metadata=job.metadata,
+                metrics=job.metrics,
+                timings=timings,
+                overwrite=job.overwrite,
+                fsync=self.options.fsync,
+            )
+        except BaseException:
+            if staging != final:
+                storage.remove_tree(staging)
+            raise
+        if self.options.keep_last is not None:
+            apply_retention(storage, self.root, self.options.keep_last, protect={final})
+        total = time.perf_counter() - job.started
+        job.request.timings.update(manifest.timings, total=total)
+        return SaveResult(job.request.step, final, sum(f.size for f in manifest.files.values()), dict(job.request.timings))
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    def load(
+        self,
+        step: int | str | os.PathLike[str] = "latest",
+        into: Mapping[str, Any] | None = None,
+        *,
+        components: Iterable[str] | None = None,
+        keys: Iterable[str] | None = None,
+        device: str | torch.device = "cpu",
+        strict: bool = True,
+        assign: bool = False,
+        verify: bool = False,
+        allow_pickle: bool | None = None,
+    ) -> Any:
+        """Load a committed checkpoint (``"latest"``, a step, or a checkpoint path).
+
+        * ``into={"model": model, "optimizer": opt, ...}`` restores each object in place
+          (modules honour ``strict``/``assign``; others get ``load_state_dict``) and returns None.
+        * Otherwise returns ``{component: state}`` as saved, tensors on ``device``; ``components``
+          picks some components; ``keys`` (``"model.layers.0.weight"``: component, dot, key)
+          returns only those tensors as ``{component: {key: tensor}}``, reading only the shards
+          that hold them.
+
+        File sizes are always checked; ``verify=True`` also checks CRC32C of the files read.
+        """
+        self._check_open()
+        reader = CheckpointReader.open(self._resolve(step), self.options.storage_options, require_manifest=True)
+        pickle_ok = self.options.allow_pickle if allow_pickle is None else allow_pickle
+        if into is not None:
+            restore_components(
+                reader, into, strict=strict, assign=assign, device=device, verify=verify, allow_pickle=pickle_ok
+            )
+            return None
+        if keys is not None:
+            return self._load_keys(reader, keys, device=device, verify=verify)
+        return read_components(reader, components, device=device, verify=verify, allow_pickle=pickle_ok)
+
+    @staticmethod
+    def _load_keys(reader: CheckpointReader, keys: Iterable[str], *, device: Any, verify: bool) -> dict[str, Any]:
+        wanted: dict[str, list[str]] = {}
+        names = sorted(reader.components(), key=len, reverse=True)
+        for qualified in keys:
+            component = next((n for n in names if qualified.startswith(n + ".")), None)
+            if component is None:
+                raise ConfigError(
+                    f"key {qualified!r} must start with a component name and a dot (components: {sorted(names)})"
+                )
+            wanted.setdefault(component, []).append(qualified[len(component) + 1 :])
+        return {c: reader.read(c, ks, device=device, verify=verify) for c, ks in wanted.items()}
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def pending(self) -> list[SaveRequest]:
+        """Saves not yet committed or failed."""
+        with self._pending_lock:
+            return list(self._pending)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for every pending save; raises the first failure among them."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for request in self.pending():
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            request.result(remaining)
+
+    def health_check(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Ping the writer (starting it if needed); returns its pid, state and bytes written."""
+        self._check_open()
+        self._writer.ensure_running()
+        pong = self._writer.ping(timeout)
+        return {
+            "writer_pid": self._writer.pid,
+            "busy": pong.busy,
+            "bytes_written": pong.bytes_written,
+            "restarts": self._writer.restarts,
+            "arena_bytes": self._pool.bytes_reserved,
+            "pending_saves": len(self.pending()),
+        }
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The writer process id (``None`` before it started)."""
+        return self._writer.pid
+
+    def close(self, wait: bool = True) -> None:
+        """Finish pending saves (unless ``wait=False``), stop the writer and free the arenas."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if wait:
+                for request in self.pending():
+                    try:
+                        request.result()
+                    except Exception:  # noqa: BLE001 - already logged; raised by its own wait()
+                        pass
+        finally:
+            self._jobs.put(None)
+            if wait:
+                self._completer.join()
+            self._writer.close()
+            self._pool.close()
+            atexit.unregister(self._atexit)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this Checkpointer is closed")
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.root!r})"
+
+
+def _register_atexit(checkpointer: Checkpointer) -> Any:
+    ref = weakref.ref(checkpointer)
+    owner = os.getpid()
+
+    def finish() -> None:
+        instance = ref()
+        if instance is not None and os.getpid() == owner:
+            instance.close()
+
+    atexit.register(finish)
+    return finish

@@ -1,0 +1,128 @@
+"""Finalize a save: check the write results, write the indexes and state, the manifest last, publish.
+
+Local stores: everything was written into a hidden staging directory; after the manifest is
+fsynced the directory is renamed into place and the parent fsynced (the commit point is the
+rename).  Object stores: files were written under the final prefix; the manifest object, written
+last, is the commit point.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._version import __version__
+from .checksum import crc32c, format_crc
+from .errors import CheckpointExistsError, WriterError
+from .manifest import (
+    MANIFEST_NAME,
+    STATE_NAME,
+    ComponentRecord,
+    FileRecord,
+    Manifest,
+    TensorRecord,
+    hf_index,
+    hf_index_name,
+    state_file_bytes,
+    utc_now,
+)
+from .storage import Storage
+
+__all__ = ["ComponentInfo", "finalize_checkpoint", "publish", "write_small_file"]
+
+
+@dataclass(frozen=True)
+class ComponentInfo:
+    """What the commit needs to know about one component besides its tensors."""
+
+    name: str
+    kind: str
+    tied: list[list[str]]
+    index_metadata: dict[str, Any] | None = None
+
+
+def write_small_file(storage: Storage, directory: str, name: str, data: bytes, files: dict[str, FileRecord], fsync: bool) -> None:
+    """Write a small file and record its size and checksum."""
+    storage.write_bytes(storage.join(directory, name), data, fsync=fsync)
+    files[name] = FileRecord(len(data), format_crc(crc32c(data)))
+
+
+def finalize_checkpoint(
+    storage: Storage,
+    staging_dir: str,
+    final_dir: str,
+    *,
+    step: int | None,
+    written: Mapping[str, FileRecord],
+    expected_sizes: Mapping[str, int],
+    tensors: Mapping[str, Mapping[str, TensorRecord]],
+    components: Sequence[ComponentInfo],
+    trees: Mapping[str, Any] | None,
+    metadata: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    timings: dict[str, float] | None = None,
+    world_size: int = 1,
+    overwrite: bool = False,
+    fsync: bool = True,
+) -> Manifest:
+    """Write indexes, state and manifest into ``staging_dir``, then publish it as ``final_dir``."""
+    started = time.perf_counter()
+    for name, size in expected_sizes.items():
+        record = written.get(name)
+        if record is None or record.size != size:
+            got = "nothing" if record is None else f"{record.size} bytes"
+            raise WriterError(f"the writer reported {got} for {name}, expected {size} bytes")
+    files: dict[str, FileRecord] = dict(written)
+    records: dict[str, ComponentRecord] = {}
+    for info in components:
+        component_tensors = dict(tensors.get(info.name, {}))
+        index_name = None
+        if component_tensors:
+            index_name = hf_index_name(info.name, info.kind)
+            weight_map = {key: t.file for key, t in component_tensors.items()}
+            total = sum(t.nbytes for t in component_tensors.values())
+            extra = dict(info.index_metadata or {})
+            write_small_file(storage, staging_dir, index_name, hf_index(weight_map, total, extra), files, fsync)
+        kind = info.kind if component_tensors else "state"
+        records[info.name] = ComponentRecord(kind, component_tensors, index_name, info.tied)
+    state_file = None
+    if trees is not None:
+        state_file = STATE_NAME
+        write_small_file(storage, staging_dir, STATE_NAME, state_file_bytes(trees), files, fsync)
+    all_timings = dict(timings or {})
+    all_timings["commit"] = time.perf_counter() - started
+    manifest = Manifest(
+        step=step,
+        created_utc=utc_now(),
+        world_size=world_size,
+        library_version=__version__,
+        components=records,
+        files=files,
+        state_file=state_file,
+        timings=all_timings,
+        metadata=dict(metadata or {}),
+        metrics=dict(metrics or {}),
+    )
+    storage.write_bytes(storage.join(staging_dir, MANIFEST_NAME), manifest.to_json(), fsync=fsync)
+    publish(storage, staging_dir, final_dir, overwrite=overwrite)
+    return manifest
+
+
+def publish(storage: Storage, staging_dir: str, final_dir: str, *, overwrite: bool) -> None:
+    """Make a finished staging directory the checkpoint at ``final_dir``."""
+    if not storage.local or staging_dir == final_dir:
+        return
+    replaced = None
+    if os.path.exists(final_dir):
+        if not overwrite:
+            raise CheckpointExistsError(f"checkpoint {final_dir} already exists; pass overwrite=True to replace it")
+        parent, base = os.path.split(final_dir)
+        replaced = os.path.join(parent, f".{base}.replaced-{secrets.token_hex(4)}")
+        os.rename(final_dir, replaced)
+    storage.publish_directory(staging_dir, final_dir)
+    if replaced is not None:
+        storage.remove_tree(replaced)

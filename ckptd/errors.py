@@ -1,0 +1,77 @@
+"""The exception hierarchy of ckptd.
+
+Every error raised on purpose by ckptd derives from :class:`CkptdError` and from the builtin
+exception it most resembles, so that generic ``except OSError`` / ``except ValueError`` handlers
+keep working.  This module imports nothing heavy: the writer process uses it too.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CkptdError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "KeyMismatchError",
+    "StorageError",
+    "UnsafeCheckpointError",
+    "UnsupportedValueError",
+    "WriterError",
+]
+
+
+class CkptdError(Exception):
+    """Root of every exception raised by ckptd on purpose."""
+
+
+class ConfigError(CkptdError, ValueError):
+    """An argument or setting is invalid (bad size string, bad component name, bad URL...)."""
+
+
+class UnsupportedValueError(CkptdError, TypeError):
+    """The state holds a value ckptd cannot store without opting in (e.g. an arbitrary object)."""
+
+
+class CheckpointNotFoundError(CkptdError, FileNotFoundError):
+    """No committed checkpoint (or no known checkpoint format) exists where one was asked for."""
+
+
+class CheckpointExistsError(CkptdError, FileExistsError):
+    """A committed checkpoint already exists at the destination and overwriting was not asked."""
+
+
+class CorruptCheckpointError(CkptdError, ValueError):
+    """A checkpoint file is truncated, malformed or fails its checksum."""
+
+
+class UnsafeCheckpointError(CkptdError, PermissionError):
+    """Loading would need pickle (without opt-in) or a path outside the checkpoint directory."""
+
+
+class KeyMismatchError(CkptdError, KeyError):
+    """Requested or expected tensor keys are missing from (or unexpected in) a checkpoint."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep messages readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class StorageError(CkptdError, OSError):
+    """Reading or writing the storage backend failed (full disk, permission, network...)."""
+
+
+class WriterError(CkptdError, RuntimeError):
+    """The background writer process failed, died or could not be started.
+
+    ``writer_traceback`` holds the writer-side traceback text when the writer reported one.
+    """
+
+    def __init__(self, message: str, writer_traceback: str | None = None) -> None:
+        super().__init__(message)
+        self.writer_traceback = writer_traceback
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        if self.writer_traceback:
+            return f"{base}\n--- writer traceback ---\n{self.writer_traceback.rstrip()}"
+        return base

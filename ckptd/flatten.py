@@ -1,0 +1,269 @@
+"""Nested training state ⇄ flat tensor keys plus a JSON object tree.
+
+A save receives a mapping of *components* (``{"model": model, "optimizer": opt, ...}``).  Each
+component is turned into its state (``state_dict()`` for stateful objects) and then split into
+
+* ``tensors``: flat ``{key: Tensor}``; keys are the nested path joined with ``"."``, so a module's
+  state dict keeps its own keys (``"layers.0.weight"``), which is what HF tools expect;
+* ``tree``: a JSON-compatible copy of the structure where every tensor is replaced by a reference
+  to its key and non-JSON values (tuples, int dict keys, dtypes, non-finite floats...) are tagged.
+
+Encoding happens at snapshot time, so mutating the caller's objects afterwards cannot change what
+is saved, and an unsupported object is reported before anything is written.  Arbitrary objects
+are refused unless the caller opts into pickle, both when saving and when loading.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import ConfigError, UnsafeCheckpointError, UnsupportedValueError
+
+__all__ = [
+    "COMPONENT_NAME_RE",
+    "FlatComponent",
+    "component_state",
+    "find_tied_groups",
+    "flatten_component",
+    "restore_tree",
+    "tree_tensor_keys",
+]
+
+TAG = "__ckptd__"
+COMPONENT_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+@dataclass(frozen=True)
+class FlatComponent:
+    """One component of a save, flattened.
+
+    ``tensors`` holds each distinct tensor once; ``tied`` lists groups of keys that alias the same
+    storage (first key is the one stored); ``tree`` is the JSON-compatible structure.
+    """
+
+    name: str
+    tensors: dict[str, torch.Tensor]
+    tree: Any
+    tied: list[list[str]] = field(default_factory=list)
+
+
+def component_state(value: Any) -> Any:
+    """The state of one component: ``value.state_dict()`` for stateful objects, else ``value``."""
+    if isinstance(value, torch.Tensor) or isinstance(value, Mapping):
+        return value
+    state_dict = getattr(value, "state_dict", None)
+    if callable(state_dict):
+        return state_dict()
+    return value
+
+
+def flatten_component(name: str, value: Any, *, allow_pickle: bool = False) -> FlatComponent:
+    """Flatten one component; raises :class:`UnsupportedValueError` on values it cannot store."""
+    if not COMPONENT_NAME_RE.match(name):
+        raise ConfigError(
+            f"component name {name!r} must be letters, digits, '_', '-' or '.', not starting with '.' or '-'"
+        )
+    state = component_state(value)
+    encoder = _Encoder(name, allow_pickle)
+    tree = encoder.encode(state, (), top=True)
+    tied = find_tied_groups(encoder.tensors)
+    tensors = dict(encoder.tensors)
+    for group in tied:
+        for alias in group[1:]:
+            del tensors[alias]
+    return FlatComponent(name=name, tensors=tensors, tree=tree, tied=tied)
+
+
+def find_tied_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """Groups of keys whose tensors are the same view of the same storage (tied parameters)."""
+    by_view: dict[tuple[Any, ...], list[str]] = {}
+    for key, tensor in tensors.items():
+        if tensor.numel() == 0 or tensor.device.type == "meta":
+            continue
+        identity = (
+            tensor.device,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tensor.dtype,
+            tuple(tensor.shape),
+            tensor.stride(),
+        )
+        by_view.setdefault(identity, []).append(key)
+    return [keys for keys in by_view.values() if len(keys) > 1]
+
+
+class _Encoder:
+    def __init__(self, component: str, allow_pickle: bool) -> None:
+        self.component = component
+        self.allow_pickle = allow_pickle
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def _where(self, path: tuple[str, ...]) -> str:
+        return ".".join((self.component, *path)) if path else self.component
+
+    def _tensor_key(self, path: tuple[str, ...]) -> str:
+        key = ".".join(path) if path else self.component
+        if key in self.tensors:
+            raise ConfigError(
+                f"two tensors in component {self.component!r} flatten to the same key {key!r}; "
+                "rename one of the nested keys"
+            )
+        return key
+
+    def encode(self, value: Any, path: tuple[str, ...], top: bool = False) -> Any:
+        if isinstance(value, torch.Tensor):
+            return {TAG: "tensor", "key": self._add_tensor(value, path)}
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, int):
+            return int(value)
+        if isinstance(value, float):
+            if math.isfinite(value):
+                return float(value)
+            return {TAG: "float", "value": repr(value)}
+        if isinstance(value, Mapping):
+            return self._encode_mapping(value, path)
+        if isinstance(value, torch.Size):
+            return {TAG: "size", "items": list(value)}
+        if isinstance(value, tuple):
+            return {TAG: "tuple", "items": [self.encode(v, (*path, str(i))) for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [self.encode(v, (*path, str(i))) for i, v in enumerate(value)]
+        if isinstance(value, (set, frozenset)):
+            items = sorted((self.encode(v, (*path, "?")) for v in value), key=repr)
+            return {TAG: "frozenset" if isinstance(value, frozenset) else "set", "items": items}
+        if isinstance(value, torch.dtype):
+            return {TAG: "dtype", "value": str(value).removeprefix("torch.")}
+        if isinstance(value, torch.device):
+            return {TAG: "device", "value": str(value)}
+        if isinstance(value, (bytes, bytearray)):
+            return {TAG: "bytes", "b64": base64.b64encode(bytes(value)).decode("ascii")}
+        encoded = self._encode_numpy(value, path)
+        if encoded is not None:
+            return encoded
+        if not top and hasattr(value, "state_dict") and callable(value.state_dict):
+            return self.encode(value.state_dict(), path)
+        if self.allow_pickle:
+            return {TAG: "pickle", "b64": base64.b64encode(pickle.dumps(value)).decode("ascii")}
+        raise UnsupportedValueError(
+            f"cannot store {type(value).__module__}.{type(value).__qualname__} at {self._where(path)!r}: "
+            "only tensors, numbers, strings, None, lists, tuples, dicts, sets, bytes, dtypes and numpy "
+            "values are stored without pickle; convert it, or pass allow_pickle=True on save and load"
+        )
+
+    def _add_tensor(self, tensor: torch.Tensor, path: tuple[str, ...]) -> str:
+        if tensor.is_sparse or tensor.layout != torch.strided:
+            raise UnsupportedValueError(f"sparse tensor at {self._where(path)!r}: only dense tensors can be saved")
+        if tensor.is_quantized:
+            raise UnsupportedValueError(f"quantized tensor at {self._where(path)!r} cannot be saved as safetensors")
+        if tensor.device.type == "meta":
+            raise UnsupportedValueError(f"tensor at {self._where(path)!r} is on the meta device and holds no data")
+        key = self._tensor_key(path)
+        self.tensors[key] = tensor.detach()
+        return key
+
+    def _encode_mapping(self, value: Mapping[Any, Any], path: tuple[str, ...]) -> Any:
+        if all(isinstance(k, str) for k in value) and TAG not in value:
+            return {k: self.encode(v, (*path, k)) for k, v in value.items()}
+        items = [[self.encode(k, (*path, "<key>")), self.encode(v, (*path, str(k)))] for k, v in value.items()]
+        return {TAG: "dict", "items": items}
+
+    def _encode_numpy(self, value: Any, path: tuple[str, ...]) -> Any:
+        module = type(value).__module__
+        if not module.startswith("numpy"):
+            return None
+        import numpy as np
+
+        if isinstance(value, np.ndarray):
+            try:
+                tensor = torch.from_numpy(np.ascontiguousarray(value).copy())
+            except TypeError:  # object, string and other dtypes torch cannot hold
+                return None
+            return {TAG: "ndarray", "key": self._add_tensor(tensor, path)}
+        if isinstance(value, np.generic):
+            return {TAG: "npscalar", "dtype": str(value.dtype), "value": self.encode(value.item(), path)}
+        return None
+
+
+def tree_tensor_keys(tree: Any) -> list[str]:
+    """The tensor keys an encoded tree refers to, in order."""
+    keys: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get(TAG) in ("tensor", "ndarray"):
+                keys.append(node["key"])
+                return
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(tree)
+    return keys
+
+
+def restore_tree(
+    tree: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool = False, where: str = ""
+) -> Any:
+    """Rebuild the original structure of an encoded tree, taking tensors from ``tensors``."""
+
+    def decode(node: Any) -> Any:
+        if isinstance(node, list):
+            return [decode(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        tag = node.get(TAG)
+        if tag is None:
+            return {k: decode(v) for k, v in node.items()}
+        if tag == "tensor":
+            return tensors[node["key"]]
+        if tag == "tuple":
+            return tuple(decode(v) for v in node["items"])
+        if tag == "dict":
+            return {_hashable(decode(k)): decode(v) for k, v in node["items"]}
+        if tag == "float":
+            return float(node["value"])
+        if tag == "size":
+            return torch.Size(node["items"])
+        if tag == "set":
+            return {_hashable(decode(v)) for v in node["items"]}
+        if tag == "frozenset":
+            return frozenset(_hashable(decode(v)) for v in node["items"])
+        if tag == "dtype":
+            return getattr(torch, node["value"])
+        if tag == "device":
+            return torch.device(node["value"])
+        if tag == "bytes":
+            return base64.b64decode(node["b64"])
+        if tag == "ndarray":
+            return tensors[node["key"]].cpu().numpy()
+        if tag == "npscalar":
+            import numpy as np
+
+            return np.dtype(node["dtype"]).type(decode(node["value"]))
+        if tag == "pickle":
+            if not allow_pickle:
+                raise UnsafeCheckpointError(
+                    f"{where or 'the checkpoint'} holds a pickled object; pass allow_pickle=True "
+                    "only if you trust the checkpoint"
+                )
+            return pickle.loads(base64.b64decode(node["b64"]))  # noqa: S301 - explicit opt-in
+        raise UnsupportedValueError(f"unknown tag {tag!r} in {where or 'the checkpoint state'}")
+
+    return decode(tree)
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    return value

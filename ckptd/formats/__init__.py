@@ -1,0 +1,3 @@
+"""Shard file formats: safetensors (written and read) and PyTorch ``.bin`` (seed-compatible)."""
+
+__all__: list[str] = []

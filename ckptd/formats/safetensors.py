@@ -1,0 +1,185 @@
+"""The safetensors format: dtype names, header building and strict header parsing.
+
+A safetensors file is ``u64 little-endian header length`` + ``JSON header`` (padded with spaces to
+a multiple of 8 bytes) + the data section.  Each header entry gives a tensor's dtype, shape and
+``data_offsets`` relative to the start of the data section.  ckptd builds the header itself so
+the writer can stream a shard straight from the staging arena without materialising it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+
+from ..errors import CorruptCheckpointError, UnsupportedValueError
+
+__all__ = [
+    "DTYPE_ITEMSIZE",
+    "HEADER_ALIGNMENT",
+    "MAX_HEADER_SIZE",
+    "TensorEntry",
+    "SafetensorsHeader",
+    "build_header",
+    "dtype_from_name",
+    "dtype_name",
+    "parse_header",
+    "read_header",
+]
+
+HEADER_ALIGNMENT = 8
+MAX_HEADER_SIZE = 100 * 1024 * 1024  # the limit the reference implementation enforces
+
+_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "C64": torch.complex64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+}
+_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+DTYPE_ITEMSIZE: dict[str, int] = {name: dtype.itemsize for name, dtype in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype, key: str = "") -> str:
+    """The safetensors name of a torch dtype (``torch.bfloat16`` → ``"BF16"``)."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        where = f" (tensor {key!r})" if key else ""
+        supported = ", ".join(str(d) for d in _NAMES)
+        raise UnsupportedValueError(
+            f"dtype {dtype}{where} cannot be stored in safetensors; supported: {supported}"
+        ) from None
+
+
+def dtype_from_name(name: str, where: str = "") -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (``"BF16"`` → ``torch.bfloat16``)."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise CorruptCheckpointError(f"unknown safetensors dtype {name!r}{where}") from None
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file; ``start``/``end`` are relative to the data section."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed header: absolute offset of the data section, entries by key, and metadata."""
+
+    data_start: int
+    entries: dict[str, TensorEntry]
+    metadata: dict[str, str]
+
+    @property
+    def data_size(self) -> int:
+        return max((e.end for e in self.entries.values()), default=0)
+
+
+def build_header(entries: Iterable[TensorEntry], metadata: dict[str, str] | None = None) -> bytes:
+    """The length prefix and padded JSON header for ``entries`` (data offsets already assigned)."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata if metadata is not None else {"format": "pt"})}
+    for entry in entries:
+        header[entry.key] = {"dtype": entry.dtype, "shape": list(entry.shape), "data_offsets": [entry.start, entry.end]}
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    padded = text + b" " * (-len(text) % HEADER_ALIGNMENT)
+    return struct.pack("<Q", len(padded)) + padded
+
+
+def parse_header(prefix: bytes, header_bytes: bytes, file_size: int | None, name: str) -> SafetensorsHeader:
+    """Validate and parse a header; ``name`` is used in error messages.
+
+    Checks: sane length, valid UTF-8 JSON, known dtypes, byte counts matching shapes, offsets in
+    bounds and not overlapping, and (when ``file_size`` is given) a data section that fits the file.
+    """
+    (length,) = struct.unpack("<Q", prefix)
+    data_start = 8 + length
+    try:
+        raw = json.loads(header_bytes.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{name}: safetensors header is not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"{name}: safetensors header is not a JSON object")
+    metadata_raw = raw.pop("__metadata__", None) or {}
+    if not isinstance(metadata_raw, dict):
+        raise CorruptCheckpointError(f"{name}: safetensors __metadata__ is not an object")
+    entries: dict[str, TensorEntry] = {}
+    for key, info in raw.items():
+        entries[key] = _parse_entry(key, info, name)
+    spans = sorted((e.start, e.end, e.key) for e in entries.values() if e.nbytes)
+    for (_, end_a, key_a), (start_b, _, key_b) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise CorruptCheckpointError(f"{name}: tensors {key_a!r} and {key_b!r} overlap in the data section")
+    header = SafetensorsHeader(data_start, entries, {str(k): str(v) for k, v in metadata_raw.items()})
+    if file_size is not None and data_start + header.data_size > file_size:
+        raise CorruptCheckpointError(
+            f"{name}: file is truncated: header needs {data_start + header.data_size} bytes, file has {file_size}"
+        )
+    return header
+
+
+def _parse_entry(key: str, info: Any, name: str) -> TensorEntry:
+    where = f" for tensor {key!r} in {name}"
+    if not isinstance(info, dict):
+        raise CorruptCheckpointError(f"malformed header entry{where}")
+    dtype = info.get("dtype")
+    shape = info.get("shape")
+    offsets = info.get("data_offsets")
+    if dtype not in DTYPE_ITEMSIZE:
+        raise CorruptCheckpointError(f"unknown dtype {dtype!r}{where}")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise CorruptCheckpointError(f"malformed shape {shape!r}{where}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        raise CorruptCheckpointError(f"malformed data_offsets {offsets!r}{where}")
+    start, end = offsets
+    expected = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+    if start < 0 or end - start != expected:
+        raise CorruptCheckpointError(
+            f"data_offsets {offsets} do not match {dtype}{shape} ({expected} bytes){where}"
+        )
+    return TensorEntry(key, dtype, tuple(shape), start, end)
+
+
+def read_header(f: BinaryIO, file_size: int | None, name: str) -> SafetensorsHeader:
+    """Read and parse the header at the start of an open binary file."""
+    prefix = f.read(8)
+    if len(prefix) != 8:
+        raise CorruptCheckpointError(f"{name}: file is too short to be safetensors ({len(prefix)} bytes)")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > MAX_HEADER_SIZE or (file_size is not None and 8 + length > file_size):
+        raise CorruptCheckpointError(f"{name}: safetensors header length {length} is invalid or exceeds the file")
+    header_bytes = f.read(length)
+    if len(header_bytes) != length:
+        raise CorruptCheckpointError(f"{name}: file is truncated inside the safetensors header")
+    return parse_header(prefix, header_bytes, file_size, name)

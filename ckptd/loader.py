@@ -1,0 +1,462 @@
+"""Loading: detect the checkpoint format, locate tensors, fetch only the bytes needed.
+
+Formats, in detection order: a ckptd checkpoint (``checkpoint_manifest.json``), an HF sharded
+safetensors checkpoint (``model.safetensors.index.json``), a single ``model.safetensors``, and
+PyTorch ``pytorch_model.bin.index.json`` / ``pytorch_model.bin`` (read with
+``weights_only=True``).  File names come from indexes and manifests, so every name is checked to
+stay inside the checkpoint directory.  Sizes are checked on every load; CRC32C when asked.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .checksum import crc32c, format_crc
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    KeyMismatchError,
+    StorageError,
+    UnsafeCheckpointError,
+)
+from .formats.safetensors import SafetensorsHeader, dtype_from_name, parse_header
+from .formats.torch_bin import load_bin
+from .manifest import MANIFEST_NAME, Manifest, TensorRecord, parse_state_file
+from .storage import Storage, check_file_name, is_local, local_path, storage_for
+
+__all__ = [
+    "CheckpointReader",
+    "SAFETENSORS_INDEX",
+    "SAFETENSORS_SINGLE",
+    "TORCH_BIN_INDEX",
+    "TORCH_BIN_SINGLE",
+    "tensor_memoryview",
+]
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
+TORCH_BIN_SINGLE = "pytorch_model.bin"
+_READ_THREADS = 4
+_VERIFY_CHUNK = 16 * 1024 * 1024
+
+
+def tensor_memoryview(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (the tensor must stay alive)."""
+    if tensor.numel() == 0:
+        return memoryview(bytearray(0))
+    buffer = (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
+    return memoryview(buffer).cast("B")
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One component's tensors: ``kind`` is ``safetensors`` or ``torch_bin``."""
+
+    kind: str
+    weight_map: dict[str, str]
+    records: dict[str, TensorRecord] | None
+    aliases: dict[str, str]
+
+
+class CheckpointReader:
+    """A checkpoint opened for reading, in any supported format.
+
+    ``kind`` is ``"ckptd"``, ``"hf_sharded"``, ``"safetensors"``, ``"torch_bin_sharded"`` or
+    ``"torch_bin"``.  ``manifest`` is set for ckptd checkpoints.
+    """
+
+    def __init__(self, directory: str, storage: Storage, kind: str, sources: dict[str, _Source], manifest: Manifest | None) -> None:
+        self.directory = directory
+        self.storage = storage
+        self.kind = kind
+        self.manifest = manifest
+        self._sources = sources
+        self._headers: dict[str, SafetensorsHeader] = {}
+        self._verified: set[str] = set()
+
+    # ---- opening ---------------------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls, path: str, storage_options: dict[str, Any] | None = None, *, require_manifest: bool = False
+    ) -> CheckpointReader:
+        """Detect the format at ``path`` (a directory, URL, or a single shard file)."""
+        path = os.fspath(path)
+        storage = storage_for(path, storage_options)
+        directory = local_path(path) if is_local(path) else path.rstrip("/")
+        if storage.local and os.path.isfile(directory) and not require_manifest:
+            return cls._single_file(directory, storage)
+        names = set(storage.list_names(directory))
+        if not names and not storage.exists(directory):
+            raise CheckpointNotFoundError(f"{directory}: no such checkpoint directory")
+        if MANIFEST_NAME in names:
+            return cls._ckptd(directory, storage)
+        if require_manifest:
+            raise CheckpointNotFoundError(
+                f"{directory} has no {MANIFEST_NAME}: it is not a committed ckptd checkpoint "
+                "(an interrupted save, or another format: use ckptd.load_checkpoint for HF checkpoints)"
+            )
+        if SAFETENSORS_INDEX in names:
+            return cls._indexed(directory, storage, SAFETENSORS_INDEX, "safetensors", "hf_sharded")
+        if SAFETENSORS_SINGLE in names:
+            return cls._single_file(storage.join(directory, SAFETENSORS_SINGLE), storage, directory)
+        if TORCH_BIN_INDEX in names:
+            return cls._indexed(directory, storage, TORCH_BIN_INDEX, "torch_bin", "torch_bin_sharded")
+        if TORCH_BIN_SINGLE in names:
+            return cls._single_file(storage.join(directory, TORCH_BIN_SINGLE), storage, directory)
+        raise CheckpointNotFoundError(
+            f"{directory}: no checkpoint found (looked for {MANIFEST_NAME}, {SAFETENSORS_INDEX}, "
+            f"{SAFETENSORS_SINGLE}, {TORCH_BIN_INDEX}, {TORCH_BIN_SINGLE})"
+        )
+
+    @classmethod
+    def _ckptd(cls, directory: str, storage: Storage) -> CheckpointReader:
+        where = storage.join(directory, MANIFEST_NAME)
+        manifest = Manifest.from_json(storage.read_bytes(where), where)
+        for name, record in manifest.files.items():
+            path = _safe_path(storage, directory, name, where)
+            try:
+                actual = storage.size(path)
+            except (FileNotFoundError, StorageError) as e:
+                raise CorruptCheckpointError(f"{path}: listed in the manifest but missing ({e})") from e
+            if actual != record.size:
+                raise CorruptCheckpointError(
+                    f"{path}: file is {actual} bytes but the manifest says {record.size} (truncated or replaced)"
+                )
+        sources: dict[str, _Source] = {}
+        for name, component in manifest.components.items():
+            aliases = {alias: group[0] for group in component.tied for alias in group[1:]}
+            if component.kind == "torch_bin" and component.index:
+                index = _read_index(storage, _safe_path(storage, directory, component.index, where))
+                sources[name] = _Source("torch_bin", index[0], None, aliases)
+            elif component.tensors:
+                weight_map = {key: record.file for key, record in component.tensors.items()}
+                sources[name] = _Source("safetensors", weight_map, dict(component.tensors), aliases)
+        return cls(directory, storage, "ckptd", sources, manifest)
+
+    @classmethod
+    def _indexed(cls, directory: str, storage: Storage, index_name: str, kind: str, label: str) -> CheckpointReader:
+        weight_map, aliases = _read_index(storage, storage.join(directory, index_name))
+        return cls(directory, storage, label, {"model": _Source(kind, weight_map, None, aliases)}, None)
+
+    @classmethod
+    def from_index(cls, directory: str, index: Mapping[str, Any], kind: str) -> CheckpointReader:
+        """A reader over a local directory driven by an already loaded HF index."""
+        weight_map, aliases = _parse_index(index, directory)
+        storage = storage_for(directory)
+        label = "hf_sharded" if kind == "safetensors" else "torch_bin_sharded"
+        return cls(directory, storage, label, {"model": _Source(kind, weight_map, None, aliases)}, None)
+
+    @classmethod
+    def _single_file(cls, path: str, storage: Storage, directory: str | None = None) -> CheckpointReader:
+        directory = directory or os.path.dirname(path)
+        name = os.path.basename(path)
+        reader = cls(directory, storage, "", {}, None)
+        if name.endswith(".bin") or name.endswith(".pt"):
+            keys = load_bin(path).keys() if storage.local else []
+            reader.kind = "torch_bin"
+            reader._sources["model"] = _Source("torch_bin", dict.fromkeys(keys, name), None, {})
+        else:
+            header = reader._header(name)
+            reader.kind = "safetensors"
+            aliases = {}
+            for group in json.loads(header.metadata.get("param_sharing", "[]") or "[]"):
+                aliases.update({k: group[0] for k in group[1:] if k not in header.entries})
+            reader._sources["model"] = _Source("safetensors", dict.fromkeys(header.entries, name), None, aliases)
+        return reader
+
+    # ---- what is in it ---------------------------------------------------------------------
+
+    def components(self) -> list[str]:
+        """Names of the components holding tensors (``["model"]`` for HF checkpoints)."""
+        return list(self._sources)
+
+    def default_component(self) -> str:
+        """``model`` if present, else the only component; raises if that is ambiguous."""
+        if "model" in self._sources:
+            return "model"
+        if len(self._sources) == 1:
+            return next(iter(self._sources))
+        raise KeyMismatchError(f"{self.directory}: no 'model' component; choose one of {sorted(self._sources)}")
+
+    def keys(self, component: str = "model") -> list[str]:
+        """Every tensor key of a component, tied aliases included."""
+        source = self._source(component)
+        return [*source.weight_map, *source.aliases]
+
+    def tied_groups(self, component: str = "model") -> list[list[str]]:
+        """Groups of tied keys (stored key first)."""
+        groups: dict[str, list[str]] = {}
+        for alias, stored in self._source(component).aliases.items():
+            groups.setdefault(stored, [stored]).append(alias)
+        return list(groups.values())
+
+    def state_trees(self, allow_missing: bool = True) -> dict[str, Any]:
+        """The encoded non-tensor trees of every component (ckptd checkpoints only)."""
+        if self.manifest is None or self.manifest.state_file is None:
+            return {}
+        where = _safe_path(self.storage, self.directory, self.manifest.state_file, MANIFEST_NAME)
+        return parse_state_file(self.storage.read_bytes(where), where)
+
+    def _source(self, component: str) -> _Source:
+        try:
+            return self._sources[component]
+        except KeyError:
+            raise KeyMismatchError(
+                f"{self.directory}: no component {component!r} (has {sorted(self._sources)})"
+            ) from None
+
+    def _header(self, file_name: str) -> SafetensorsHeader:
+        header = self._headers.get(file_name)
+        if header is None:
+            path = _safe_path(self.storage, self.directory, file_name, self.directory)
+            reader = self.storage.open_reader(path)
+            try:
+                prefix = reader.read(0, 8) if reader.size >= 8 else b""
+                if len(prefix) != 8:
+                    raise CorruptCheckpointError(f"{path}: file is too short to be safetensors ({reader.size} bytes)")
+                length = int.from_bytes(prefix, "little")
+                if 8 + length > reader.size:
+                    raise CorruptCheckpointError(f"{path}: safetensors header length {length} exceeds the file")
+                header = parse_header(prefix, reader.read(8, length), reader.size, path)
+            finally:
+                reader.close()
+            self._headers[file_name] = header
+        return header
+
+    def locate(self, component: str, keys: Iterable[str] | None = None) -> dict[str, TensorRecord]:
+        """Byte ranges of safetensors tensors (aliases resolved to their stored key)."""
+        source = self._source(component)
+        wanted = list(source.weight_map) if keys is None else [source.aliases.get(k, k) for k in keys]
+        missing = [k for k in wanted if k not in source.weight_map]
+        if missing:
+            raise KeyMismatchError(
+                f"{self.directory}: component {component!r} has no tensor(s) {_preview(missing)}"
+            )
+        if source.records is not None:
+            return {k: source.records[k] for k in wanted}
+        located: dict[str, TensorRecord] = {}
+        for key in wanted:
+            file_name = source.weight_map[key]
+            header = self._header(file_name)
+            entry = header.entries.get(key)
+            if entry is None:
+                raise CorruptCheckpointError(f"{file_name}: index says it holds {key!r} but its header does not")
+            located[key] = TensorRecord(
+                entry.dtype, entry.shape, file_name, header.data_start + entry.start, header.data_start + entry.end
+            )
+        return located
+
+    def check_complete(self) -> None:
+        """Raise unless every file of every component exists and every safetensors header parses."""
+        for name, source in self._sources.items():
+            if source.kind == "safetensors":
+                self.locate(name)
+                continue
+            for file_name in set(source.weight_map.values()):
+                path = _safe_path(self.storage, self.directory, file_name, self.directory)
+                if not self.storage.exists(path):
+                    raise CorruptCheckpointError(f"{path}: listed in the index but missing")
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def verify(self, files: Iterable[str] | None = None) -> None:
+        """Check CRC32C of ``files`` (all by default) against the manifest."""
+        if self.manifest is None:
+            return
+        names = [n for n in (self.manifest.files if files is None else dict.fromkeys(files)) if n not in self._verified]
+        with ThreadPoolExecutor(min(_READ_THREADS, max(1, len(names)))) as pool:
+            list(pool.map(self._verify_file, names))
+        self._verified.update(names)
+
+    def _verify_file(self, name: str) -> None:
+        if self.manifest is None:
+            return
+        expected = self.manifest.files[name]
+        path = _safe_path(self.storage, self.directory, name, MANIFEST_NAME)
+        reader = self.storage.open_reader(path)
+        try:
+            value = 0
+            buffer = bytearray(min(_VERIFY_CHUNK, max(expected.size, 1)))
+            view = memoryview(buffer)
+            for start in range(0, expected.size, len(buffer)):
+                chunk = view[: min(len(buffer), expected.size - start)]
+                reader.read_into(start, chunk)
+                value = crc32c(chunk, value)
+        finally:
+            reader.close()
+        if format_crc(value) != expected.crc32c:
+            raise CorruptCheckpointError(
+                f"{path}: CRC32C mismatch (manifest {expected.crc32c}, file {format_crc(value)}): the file is corrupt"
+            )
+
+    def read(
+        self,
+        component: str = "model",
+        keys: Iterable[str] | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        targets: Mapping[str, torch.Tensor] | None = None,
+        verify: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """Read tensors of ``component`` (all, or ``keys``); tied aliases map to the same tensor.
+
+        When ``targets[key]`` is a contiguous CPU tensor of the stored dtype and shape, bytes are
+        read straight into it; any other target is filled with ``copy_``.  Returns every
+        requested key (the target itself where one was given).
+        """
+        source = self._source(component)
+        requested = list(source.weight_map) + list(source.aliases) if keys is None else list(dict.fromkeys(keys))
+        stored = list(dict.fromkeys(source.aliases.get(k, k) for k in requested))
+        missing = [k for k in stored if k not in source.weight_map]
+        if missing:
+            raise KeyMismatchError(f"{self.directory}: component {component!r} has no tensor(s) {_preview(missing)}")
+        files = sorted({source.weight_map[k] for k in stored})
+        if verify:
+            self.verify(files)
+        targets = dict(targets or {})
+        stored_targets = {k: targets[k] for k in stored if k in targets}
+        for alias, key in source.aliases.items():
+            if alias in targets and key not in stored_targets:
+                stored_targets[key] = targets[alias]
+        if source.kind == "torch_bin":
+            loaded = self._read_bin(files, set(stored), stored_targets)
+        else:
+            loaded = self._read_safetensors(self.locate(component, stored), stored_targets)
+        device = torch.device(device)
+        result: dict[str, torch.Tensor] = {}
+        for key in requested:
+            tensor = loaded[source.aliases.get(key, key)]
+            if tensor.device != device and key not in targets:
+                tensor = tensor.to(device)
+                loaded[source.aliases.get(key, key)] = tensor
+            result[key] = tensor
+        return result
+
+    def _read_safetensors(self, records: dict[str, TensorRecord], targets: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        by_file: dict[str, list[str]] = {}
+        for key, record in records.items():
+            by_file.setdefault(record.file, []).append(key)
+        out: dict[str, torch.Tensor] = {}
+
+        def read_file(file_name: str) -> None:
+            path = _safe_path(self.storage, self.directory, file_name, self.directory)
+            reader = self.storage.open_reader(path)
+            try:
+                for key in sorted(by_file[file_name], key=lambda k: records[k].start):
+                    out[key] = _read_one(reader, path, key, records[key], targets.get(key))
+            finally:
+                reader.close()
+
+        files = list(by_file)
+        if len(files) > 1:
+            with ThreadPoolExecutor(min(_READ_THREADS, len(files)), thread_name_prefix="ckptd-read") as pool:
+                list(pool.map(read_file, files))
+        else:
+            for file_name in files:
+                read_file(file_name)
+        return out
+
+    def _read_bin(self, files: list[str], keys: set[str], targets: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not self.storage.local:
+            raise CorruptCheckpointError(f"{self.directory}: .bin checkpoints can only be read from local storage")
+        out: dict[str, torch.Tensor] = {}
+        for file_name in files:
+            path = _safe_path(self.storage, self.directory, file_name, self.directory)
+            for key, tensor in load_bin(path).items():
+                if key not in keys:
+                    continue
+                target = targets.get(key)
+                if target is not None:
+                    _copy_into(target, tensor, key, path)
+                    tensor = target
+                out[key] = tensor
+        missing = keys - set(out)
+        if missing:
+            raise CorruptCheckpointError(f"{self.directory}: index lists {_preview(sorted(missing))} but the shards lack them")
+        return out
+
+
+def _read_index(storage: Storage, where: str) -> tuple[dict[str, str], dict[str, str]]:
+    try:
+        index = json.loads(storage.read_bytes(where))
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{where}: index is not valid JSON ({e})") from e
+    return _parse_index(index, where)
+
+
+def _parse_index(index: Any, where: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Weight map and tied aliases (``metadata.param_sharing``) of an HF index."""
+    try:
+        weight_map = {str(k): check_file_name(str(v), where) for k, v in index["weight_map"].items()}
+        metadata = index.get("metadata") or {}
+        groups = metadata.get("param_sharing") or []
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CorruptCheckpointError(f"{where}: malformed index ({e})") from e
+    aliases: dict[str, str] = {}
+    for group in groups:
+        stored = [k for k in group if k in weight_map]
+        if stored:
+            aliases.update({k: stored[0] for k in group if k not in weight_map})
+    return weight_map, aliases
+
+
+def _read_one(reader: Any, path: str, key: str, record: TensorRecord, target: torch.Tensor | None) -> torch.Tensor:
+    dtype = dtype_from_name(record.dtype, f" for tensor {key!r} in {path}")
+    if record.end > reader.size:
+        raise CorruptCheckpointError(f"{path}: file is truncated: tensor {key!r} ends at byte {record.end}, file has {reader.size}")
+    direct = (
+        target is not None
+        and target.device.type == "cpu"
+        and target.dtype == dtype
+        and tuple(target.shape) == record.shape
+        and target.is_contiguous()
+    )
+    tensor = target if direct and target is not None else torch.empty(record.shape, dtype=dtype)
+    try:
+        reader.read_into(record.start, tensor_memoryview(tensor))
+    except StorageError as e:
+        raise CorruptCheckpointError(f"{path}: cannot read tensor {key!r}: {e}") from e
+    if target is not None and not direct:
+        _copy_into(target, tensor, key, path)
+        return target
+    return tensor
+
+
+def _copy_into(target: torch.Tensor, source: torch.Tensor, key: str, path: str) -> None:
+    if tuple(target.shape) != tuple(source.shape):
+        raise KeyMismatchError(
+            f"size mismatch for {key!r}: checkpoint {path} has shape {tuple(source.shape)}, "
+            f"the target has {tuple(target.shape)}"
+        )
+    with torch.no_grad():
+        target.copy_(source)
+
+
+def _safe_path(storage: Storage, directory: str, name: str, where: str) -> str:
+    check_file_name(name, where)
+    path = storage.join(directory, name)
+    if storage.local:
+        real_dir = os.path.realpath(directory)
+        real = os.path.realpath(path)
+        if os.path.commonpath([real_dir, real]) != real_dir:
+            raise UnsafeCheckpointError(f"{path} resolves to {real}, outside the checkpoint directory {real_dir}")
+    return path
+
+
+def _preview(keys: list[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+

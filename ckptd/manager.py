@@ -1,0 +1,225 @@
+"""Checkpoints under a root: naming, listing, latest, retention, metrics and garbage collection.
+
+Only directories (or prefixes) whose ``checkpoint_manifest.json`` parses are checkpoints; staging
+directories (``.checkpoint-<step>.tmp-<host>-<pid>-<id>``) and anything else are ignored by
+listing and removed by :func:`collect_garbage` once their owner is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CorruptCheckpointError, StorageError
+from .manifest import MANIFEST_NAME, Manifest
+from .storage import Storage, is_local, local_path, storage_for
+
+__all__ = [
+    "METRICS_NAME",
+    "CheckpointInfo",
+    "apply_retention",
+    "checkpoint_dir_name",
+    "collect_garbage",
+    "find_latest_checkpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint_metrics",
+    "maybe_delete_oldest_checkpoint",
+    "next_checkpoint_path",
+    "parse_step",
+    "read_manifest",
+    "remove_checkpoint",
+    "save_checkpoint_metrics",
+    "staging_dir_name",
+]
+
+METRICS_NAME = "metrics.json"
+_DIR_RE = re.compile(r"^checkpoint-(\d+)$")
+_STAGING_RE = re.compile(r"^\.checkpoint-(\d+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+$")
+_STALE_SECONDS = 24 * 3600
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint found under a root."""
+
+    step: int
+    path: str
+    manifest: Manifest
+
+    @property
+    def created_utc(self) -> str:
+        return self.manifest.created_utc
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """``checkpoint-000120`` for step 120 (zero-padded so names sort by step)."""
+    return f"checkpoint-{step:06d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a ``checkpoint-<step>`` name, else ``None``."""
+    match = _DIR_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def staging_dir_name(step: int) -> str:
+    """A hidden, unique staging directory name recording this host and process."""
+    host = socket.gethostname().replace("-", "_") or "host"
+    return f".checkpoint-{step:06d}.tmp-{host}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def read_manifest(storage: Storage, path: str) -> Manifest | None:
+    """The manifest of a checkpoint directory, or ``None`` if it has none or it is invalid."""
+    where = storage.join(path, MANIFEST_NAME)
+    try:
+        return Manifest.from_json(storage.read_bytes(where), where)
+    except (FileNotFoundError, NotADirectoryError, StorageError, CorruptCheckpointError):
+        return None
+
+
+def list_checkpoints(storage: Storage, root: str) -> list[CheckpointInfo]:
+    """Committed checkpoints under ``root``, oldest step first."""
+    found = []
+    for name in storage.list_names(root):
+        step = parse_step(name)
+        if step is None:
+            continue
+        path = storage.join(root, name)
+        manifest = read_manifest(storage, path)
+        if manifest is not None:
+            found.append(CheckpointInfo(step, path, manifest))
+    found.sort(key=lambda info: (info.step, info.manifest.created_utc))
+    return found
+
+
+def latest_checkpoint(storage: Storage, root: str) -> CheckpointInfo | None:
+    """The committed checkpoint with the highest step (reads manifests newest first)."""
+    candidates = sorted(
+        ((step, name) for name in storage.list_names(root) if (step := parse_step(name)) is not None), reverse=True
+    )
+    for step, name in candidates:
+        path = storage.join(root, name)
+        manifest = read_manifest(storage, path)
+        if manifest is not None:
+            return CheckpointInfo(step, path, manifest)
+    return None
+
+
+def remove_checkpoint(storage: Storage, path: str) -> None:
+    """Delete a checkpoint: manifest first (it stops being a checkpoint at once), then the rest."""
+    storage.remove(storage.join(path, MANIFEST_NAME))
+    storage.remove_tree(path)
+
+
+def apply_retention(storage: Storage, root: str, keep_last: int, protect: set[str] | None = None) -> list[str]:
+    """Delete the oldest checkpoints so that ``keep_last`` remain; never deletes ``protect``."""
+    protect = protect or set()
+    checkpoints = list_checkpoints(storage, root)
+    excess = len(checkpoints) - keep_last
+    removed = []
+    for info in checkpoints:
+        if excess <= 0:
+            break
+        if info.path in protect:
+            continue
+        remove_checkpoint(storage, info.path)
+        removed.append(info.path)
+        excess -= 1
+    return removed
+
+
+def collect_garbage(storage: Storage, root: str, *, older_than: float = _STALE_SECONDS) -> list[str]:
+    """Remove staging directories whose process is gone (this host) or older than ``older_than`` s."""
+    removed = []
+    host = socket.gethostname().replace("-", "_") or "host"
+    for name in storage.list_names(root):
+        match = _STAGING_RE.match(name)
+        if not match:
+            continue
+        path = storage.join(root, name)
+        stale = False
+        if match.group("host") == host:
+            stale = not _pid_alive(int(match.group("pid")))
+        elif storage.local:
+            try:
+                stale = time.time() - os.stat(path).st_mtime > older_than
+            except OSError:
+                stale = False
+        if stale:
+            storage.remove_tree(path)
+            removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---- Forgather-compatible helpers (a model directory with a ``checkpoints/`` folder) -----------
+
+
+def _checkpoints_root(model_dir: str) -> str:
+    sub = os.path.join(model_dir, "checkpoints")
+    return sub if os.path.isdir(sub) else model_dir
+
+
+def find_latest_checkpoint(model_dir: str) -> str | None:
+    """Path of the newest committed checkpoint in ``model_dir/checkpoints`` (or ``model_dir``)."""
+    root = local_path(model_dir) if is_local(model_dir) else model_dir
+    storage = storage_for(root)
+    info = latest_checkpoint(storage, _checkpoints_root(root) if storage.local else root)
+    return info.path if info else None
+
+
+def next_checkpoint_path(model_dir: str, checkpoint_id: int | str) -> str:
+    """``model_dir/checkpoints/checkpoint-<id>``: where the next checkpoint goes."""
+    name = checkpoint_dir_name(checkpoint_id) if isinstance(checkpoint_id, int) else f"checkpoint-{checkpoint_id}"
+    return os.path.join(model_dir, "checkpoints", name)
+
+
+def maybe_delete_oldest_checkpoint(
+    model_dir: str,
+    max_checkpoints: int,
+    best_checkpoint: str | None = None,
+    preserved_checkpoints: list[str] | None = None,
+) -> None:
+    """Delete the oldest checkpoints beyond ``max_checkpoints``, keeping the best and preserved ones."""
+    root = _checkpoints_root(local_path(model_dir))
+    protect = {os.path.abspath(p) for p in [best_checkpoint, *(preserved_checkpoints or [])] if p}
+    apply_retention(storage_for(root), root, max_checkpoints, protect)
+
+
+def save_checkpoint_metrics(checkpoint_path: str, metrics: dict[str, float]) -> None:
+    """Write ``metrics.json`` beside a checkpoint (atomically)."""
+    path = local_path(checkpoint_path)
+    tmp = os.path.join(path, f".{METRICS_NAME}.{secrets.token_hex(4)}")
+    with open(tmp, "w") as f:
+        json.dump(metrics, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, METRICS_NAME))
+
+
+def load_checkpoint_metrics(checkpoint_path: str) -> dict[str, Any] | None:
+    """Metrics saved with :func:`save_checkpoint_metrics`, else those recorded in the manifest."""
+    path = local_path(checkpoint_path)
+    try:
+        with open(os.path.join(path, METRICS_NAME)) as f:
+            return dict(json.load(f))
+    except FileNotFoundError:
+        pass
+    manifest = read_manifest(storage_for(path), path)
+    return dict(manifest.metrics) if manifest is not None and manifest.metrics else None

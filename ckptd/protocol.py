@@ -1,0 +1,233 @@
+"""Typed messages between the trainer (parent) and its writer process, and their framing.
+
+Frames travel over a Unix stream socket: a 4-byte little-endian length and a UTF-8 JSON object
+whose ``"type"`` names the message class.  A file descriptor (a staging arena) can ride along
+with a frame (``SCM_RIGHTS``).  Every request carries a ``request_id`` that its response repeats.
+
+Conversation:
+1. The writer starts and sends :class:`Hello`; the parent checks the protocol version.
+2. The parent sends :class:`AttachArena` (with the segment's fd) for every staging arena.
+3. For each save the parent sends :class:`WriteFiles`; the writer answers :class:`FilesWritten`
+   or :class:`Failed`.  :class:`Ping` may arrive at any time and is answered at once.
+4. :class:`Shutdown` (or the parent's death) ends the writer.
+
+This module imports nothing heavy: the writer process uses it too.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import socket
+import struct
+import threading
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AttachArena",
+    "Channel",
+    "ChannelClosed",
+    "DetachArena",
+    "Failed",
+    "FileResult",
+    "FileSpec",
+    "FilesWritten",
+    "Hello",
+    "Message",
+    "Ok",
+    "Ping",
+    "Pong",
+    "Shutdown",
+    "WriteFiles",
+]
+
+PROTOCOL_VERSION = 1
+_MAX_FRAME = 256 * 1024 * 1024
+_MAX_FDS = 4
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """One file to write: ``name`` under the target directory, from ``arena[offset:offset+size]``."""
+
+    name: str
+    arena_offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class FileResult:
+    """What the writer wrote for one file."""
+
+    name: str
+    size: int
+    crc32c: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every message; subclasses register themselves by class name."""
+
+    registry: ClassVar[dict[str, type[Message]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        Message.registry[cls.__name__] = cls
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    pid: int
+    protocol_version: int
+    library_version: str
+    torch_loaded: bool
+
+
+@dataclass(frozen=True)
+class AttachArena(Message):
+    request_id: int
+    arena_id: int
+    size: int
+
+
+@dataclass(frozen=True)
+class DetachArena(Message):
+    request_id: int
+    arena_id: int
+
+
+@dataclass(frozen=True)
+class WriteFiles(Message):
+    """Write ``files`` from arena ``arena_id`` into ``directory`` (a local path or fsspec URL).
+
+    ``abandon_directory`` tells the writer which directory to delete if its parent dies while
+    this request is in flight.
+    """
+
+    request_id: int
+    arena_id: int
+    directory: str
+    files: list[FileSpec]
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    fsync: bool = True
+    chunk_size: int = 16 * 1024 * 1024
+    threads: int = 1
+    abandon_directory: str | None = None
+
+
+@dataclass(frozen=True)
+class Ping(Message):
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Shutdown(Message):
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Ok(Message):
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Pong(Message):
+    request_id: int
+    busy: bool
+    bytes_written: int
+
+
+@dataclass(frozen=True)
+class FilesWritten(Message):
+    request_id: int
+    results: list[FileResult]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Failed(Message):
+    """A request failed in the writer; ``kind`` is ``"storage"`` for I/O errors, else ``"internal"``."""
+
+    request_id: int
+    kind: str
+    message: str
+    path: str | None = None
+    errno: int | None = None
+    traceback: str = ""
+
+
+_NESTED = {("WriteFiles", "files"): FileSpec, ("FilesWritten", "results"): FileResult}
+
+
+def encode(message: Message) -> bytes:
+    """Serialize a message to JSON bytes."""
+    body = asdict(message)
+    body["type"] = type(message).__name__
+    return json.dumps(body, separators=(",", ":")).encode("utf-8")
+
+
+def decode(payload: bytes) -> Message:
+    """Parse JSON bytes back into the message class named by ``"type"``."""
+    body = json.loads(payload.decode("utf-8"))
+    name = body.pop("type")
+    cls = Message.registry[name]
+    known = {f.name for f in fields(cls)}
+    kwargs = {k: v for k, v in body.items() if k in known}
+    for (owner, attr), item_cls in _NESTED.items():
+        if owner == name and attr in kwargs:
+            kwargs[attr] = [item_cls(**item) for item in kwargs[attr]]
+    return cls(**kwargs)
+
+
+class ChannelClosed(ConnectionError):
+    """The peer closed the socket (or died)."""
+
+
+class Channel:
+    """Framed, thread-safe message passing over a connected Unix stream socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._send_lock = threading.Lock()
+
+    def send(self, message: Message, fds: tuple[int, ...] = ()) -> None:
+        payload = encode(message)
+        frame = struct.pack("<I", len(payload)) + payload
+        with self._send_lock:
+            sent = socket.send_fds(self.sock, [frame], list(fds)) if fds else 0
+            if sent < len(frame):
+                self.sock.sendall(frame[sent:])
+
+    def receive(self) -> tuple[Message, list[int]]:
+        """Block until a whole message arrives; returns it with any file descriptors it carried."""
+        fds: list[int] = []
+        (length,) = struct.unpack("<I", self._read_exactly(4, fds))
+        if length > _MAX_FRAME:
+            raise ChannelClosed(f"frame of {length} bytes exceeds the protocol limit")
+        return decode(self._read_exactly(length, fds)), fds
+
+    def _read_exactly(self, count: int, fds: list[int]) -> bytes:
+        chunks: list[bytes] = []
+        remaining = count
+        ancillary_size = socket.CMSG_SPACE(_MAX_FDS * array.array("i").itemsize)
+        while remaining:
+            data, ancillary, _flags, _addr = self.sock.recvmsg(remaining, ancillary_size)
+            for level, kind, cdata in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    received = array.array("i")
+                    received.frombytes(cdata[: len(cdata) - (len(cdata) % received.itemsize)])
+                    fds.extend(received)
+            if not data:
+                raise ChannelClosed("peer closed the connection")
+            chunks.append(data)
+            remaining -= len(data)
+        return b"".join(chunks)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,86 @@
+"""Anonymous shared-memory segments that cannot leak.
+
+A segment is a ``memfd`` (Linux) or a POSIX shared-memory object whose name is unlinked right
+after creation (other POSIX systems).  Either way it has no name in ``/dev/shm`` while in use:
+its memory lives exactly as long as some process holds its file descriptor or a mapping, so a
+trainer or writer killed with SIGKILL leaves nothing behind.  The descriptor is handed to the
+writer process over a Unix socket (``SCM_RIGHTS``).
+
+This module imports nothing heavy: the writer process uses it too.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+
+__all__ = ["SharedSegment"]
+
+_MEMFD = hasattr(os, "memfd_create")
+
+
+class SharedSegment:
+    """A mapped shared-memory segment of ``size`` bytes, owning its file descriptor."""
+
+    def __init__(self, fd: int, size: int, *, populate: bool = False) -> None:
+        self.fd = fd
+        self.size = size
+        flags = mmap.MAP_SHARED
+        if populate and hasattr(mmap, "MAP_POPULATE"):
+            flags |= mmap.MAP_POPULATE
+        self.mmap: mmap.mmap | None = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+    @classmethod
+    def create(cls, size: int, *, label: str = "ckptd-arena", populate: bool = False) -> SharedSegment:
+        """Create a new zero-filled segment of ``size`` bytes (at least one page)."""
+        size = max(size, mmap.PAGESIZE)
+        fd = _create_fd(label)
+        try:
+            os.ftruncate(fd, size)
+            return cls(fd, size, populate=populate)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def attach(cls, fd: int, size: int) -> SharedSegment:
+        """Map a segment received from another process (takes ownership of ``fd``)."""
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise ValueError(f"shared segment is {actual} bytes, expected at least {size}")
+            return cls(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def view(self) -> memoryview:
+        """A writable memoryview of the whole segment."""
+        if self.mmap is None:
+            raise ValueError("segment is closed")
+        return memoryview(self.mmap)
+
+    def close(self) -> None:
+        """Unmap and close; the memory is freed once no other process holds it."""
+        if self.mmap is not None:
+            try:
+                self.mmap.close()
+            except BufferError:
+                # A view is still exported; the mapping goes when its last view is released.
+                pass
+            self.mmap = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _create_fd(label: str) -> int:
+    if _MEMFD:
+        return os.memfd_create(label, os.MFD_CLOEXEC)
+    import _posixshmem  # CPython's POSIX shm binding, present on every POSIX build
+
+    name = f"/{label}-{os.getpid()}-{secrets.token_hex(6)}"
+    fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    _posixshmem.shm_unlink(name)
+    return fd

@@ -1,0 +1,336 @@
+"""The parent-side client of the writer process: start, handshake, requests, health, restart.
+
+The writer runs as its own small program (``python -m ckptd.writer_process``), not through
+``multiprocessing``: it never imports the trainer's ``__main__`` and needs no torch.  Control
+messages travel over a Unix socket pair; staging arenas are passed as file descriptors.  A reader
+thread routes responses to per-request futures; if the writer dies, every pending request fails
+with :class:`~ckptd.errors.WriterError` carrying the exit status and the tail of its stderr.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future
+from typing import IO
+
+from . import protocol
+from .errors import StorageError, WriterError
+from .protocol import (
+    AttachArena,
+    Channel,
+    ChannelClosed,
+    DetachArena,
+    Failed,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    Shutdown,
+    WriteFiles,
+)
+from .shm import SharedSegment
+
+__all__ = ["WriterClient", "describe_exit"]
+
+logger = logging.getLogger(__name__)
+
+_STDERR_LINES = 40
+
+
+def describe_exit(returncode: int | None) -> str:
+    """Human words for a process exit status (``killed by SIGKILL``, ``exited with status 1``)."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+def _package_parent() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class WriterClient:
+    """Owns one writer process; safe to call from several threads.
+
+    ``nice`` lowers the writer's CPU priority so it competes less with the training loop.
+    """
+
+    def __init__(self, *, start_timeout: float = 60.0, nice: int = 0, label: str = "") -> None:
+        self.start_timeout = start_timeout
+        self.nice = nice
+        self.label = label
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Future[Message]] = {}
+        self._arenas: dict[int, SharedSegment] = {}
+        self._arenas_lock = threading.Lock()
+        self._attached: set[int] = set()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._channel: Channel | None = None
+        self._hello: Future[Hello] | None = None
+        self._stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES)
+        self._owner_pid = os.getpid()
+        self.restarts = -1
+        self.info: Hello | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def alive(self) -> bool:
+        """True when the writer process is running and its socket is open."""
+        return self._process is not None and self._process.poll() is None and self._channel is not None
+
+    def ensure_running(self) -> None:
+        """Start the writer (or restart it after a crash) and attach every known arena."""
+        self._check_owner()
+        with self._lock:
+            if not self.alive():
+                self._reap()
+                self._spawn()
+            with self._arenas_lock:
+                unattached = [(i, seg) for i, seg in self._arenas.items() if i not in self._attached]
+            for arena_id, segment in unattached:
+                self._attach(arena_id, segment)
+
+    def _spawn(self) -> None:
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_parent(), env.get("PYTHONPATH", "")) if p)
+        command = [
+            sys.executable,
+            "-m",
+            "ckptd.writer_process",
+            "--fd",
+            str(child_sock.fileno()),
+            "--parent-pid",
+            str(os.getpid()),
+            "--nice",
+            str(self.nice),
+        ]
+        try:
+            process = subprocess.Popen(
+                command,
+                pass_fds=(child_sock.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=env,
+                close_fds=True,
+            )
+        except OSError as e:
+            parent_sock.close()
+            raise WriterError(f"cannot start the ckptd writer process: {e}") from e
+        finally:
+            child_sock.close()
+        self._process = process
+        self._attached = set()
+        self._channel = Channel(parent_sock)
+        self._hello = Future()
+        self._stderr_tail.clear()
+        threading.Thread(target=self._read_stderr, args=(process.stderr,), name="ckptd-writer-stderr", daemon=True).start()
+        threading.Thread(target=self._read_responses, args=(self._channel, process), name="ckptd-writer-rx", daemon=True).start()
+        try:
+            hello = self._hello.result(timeout=self.start_timeout)
+        except TimeoutError:
+            self._kill()
+            raise WriterError(
+                f"the ckptd writer did not start within {self.start_timeout:.0f}s{self._stderr_suffix()}"
+            ) from None
+        except WriterError:
+            raise
+        if hello.protocol_version != protocol.PROTOCOL_VERSION:
+            self._kill()
+            raise WriterError(
+                f"writer speaks protocol {hello.protocol_version}, expected {protocol.PROTOCOL_VERSION}; "
+                "is an older ckptd installed beside this one?"
+            )
+        self.info = hello
+        self.restarts += 1
+        logger.debug("ckptd writer %s started (pid %d)", self.label, hello.pid)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Ask the writer to exit, then forget every arena (the caller frees them)."""
+        with self._lock:
+            if self.alive() and os.getpid() == self._owner_pid:
+                try:
+                    self._request(Shutdown(self._next_id())).result(timeout=timeout)
+                except Exception:  # noqa: BLE001 - it is going away either way
+                    pass
+            self._reap(timeout=timeout)
+            with self._arenas_lock:
+                self._arenas.clear()
+
+    def kill(self) -> None:
+        """Kill the writer at once (tests and emergencies)."""
+        self._kill()
+
+    def _kill(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+
+    def _reap(self, timeout: float = 5.0) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if self._process is not None:
+            try:
+                self._process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self._process = None
+
+    def _check_owner(self) -> None:
+        if os.getpid() != self._owner_pid:
+            raise WriterError("this Checkpointer belongs to another process (it was inherited through fork)")
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def _next_id(self) -> int:
+        return next(self._ids)
+
+    def _request(self, message: Message, fds: tuple[int, ...] = ()) -> Future[Message]:
+        future: Future[Message] = Future()
+        request_id = getattr(message, "request_id")
+        channel = self._channel
+        if channel is None:
+            raise WriterError("the ckptd writer is not running")
+        self._pending[request_id] = future
+        try:
+            channel.send(message, fds)
+        except OSError as e:
+            self._pending.pop(request_id, None)
+            raise WriterError(f"cannot reach the ckptd writer ({self._exit_words()}){self._stderr_suffix()}") from e
+        return future
+
+    def attach_arena(self, arena_id: int, segment: SharedSegment) -> None:
+        """Register a staging arena; it is handed to the writer before the next write (and again
+        after every restart), so registering never waits for the writer."""
+        with self._arenas_lock:
+            self._arenas[arena_id] = segment
+
+    def _attach(self, arena_id: int, segment: SharedSegment) -> None:
+        response = self._request(AttachArena(self._next_id(), arena_id, segment.size), (segment.fd,)).result(
+            timeout=self.start_timeout
+        )
+        _raise_if_failed(response)
+        self._attached.add(arena_id)
+
+    def detach_arena(self, arena_id: int) -> None:
+        """Forget an arena and tell the writer to unmap it (only when no write uses it)."""
+        with self._arenas_lock:
+            self._arenas.pop(arena_id, None)
+        with self._lock:
+            if arena_id in self._attached and self.alive():
+                self._attached.discard(arena_id)
+                try:
+                    self._request(DetachArena(self._next_id(), arena_id)).result(timeout=self.start_timeout)
+                except (WriterError, TimeoutError):
+                    pass
+
+    def write_files(self, **fields: object) -> Future[Message]:
+        """Submit a :class:`~ckptd.protocol.WriteFiles` request; the future resolves to
+        :class:`~ckptd.protocol.FilesWritten` or fails with WriterError / StorageError."""
+        self.ensure_running()
+        with self._lock:
+            return self._request(WriteFiles(request_id=self._next_id(), **fields))  # type: ignore[arg-type]
+
+    def ping(self, timeout: float = 10.0) -> Pong:
+        """Health check: the writer answers at once, even while it writes."""
+        self._check_owner()
+        if not self.alive():
+            raise WriterError(f"the ckptd writer is not running ({self._exit_words()}){self._stderr_suffix()}")
+        with self._lock:
+            future = self._request(Ping(self._next_id()))
+        try:
+            response = future.result(timeout=timeout)
+        except TimeoutError:
+            raise WriterError(f"the ckptd writer (pid {self.pid}) did not answer a ping within {timeout}s") from None
+        if not isinstance(response, Pong):
+            raise WriterError(f"unexpected answer to ping: {response!r}")
+        return response
+
+    # ---- background threads ----------------------------------------------------------------
+
+    def _read_stderr(self, stream: IO[bytes] | None) -> None:
+        if stream is None:
+            return
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip()
+            self._stderr_tail.append(line)
+            logger.warning("ckptd writer: %s", line)
+        stream.close()
+
+    def _read_responses(self, channel: Channel, process: subprocess.Popen[bytes]) -> None:
+        hello = self._hello
+        try:
+            while True:
+                message, fds = channel.receive()
+                for fd in fds:
+                    os.close(fd)
+                if isinstance(message, Hello):
+                    if hello is not None and not hello.done():
+                        hello.set_result(message)
+                    continue
+                future = self._pending.pop(getattr(message, "request_id", -1), None)
+                if future is not None and not future.done():
+                    if isinstance(message, Failed):
+                        future.set_exception(_failure_error(message))
+                    else:
+                        future.set_result(message)
+        except (ChannelClosed, OSError):
+            pass
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        error = WriterError(
+            f"the ckptd writer process {process.pid} {describe_exit(process.poll())}{self._stderr_suffix()}"
+        )
+        if hello is not None and not hello.done():
+            hello.set_exception(error)
+        with self._lock:
+            if self._channel is channel:
+                self._channel = None
+            pending = list(self._pending.items())
+            self._pending.clear()
+        for _, future in pending:
+            if not future.done():
+                future.set_exception(error)
+
+    def _exit_words(self) -> str:
+        return describe_exit(self._process.poll()) if self._process is not None else "not started"
+
+    def _stderr_suffix(self) -> str:
+        tail = [line for line in self._stderr_tail if line.strip()]
+        return ("; its last output:\n" + "\n".join(tail[-10:])) if tail else ""
+
+
+def _failure_error(message: Failed) -> Exception:
+    if message.kind == "storage":
+        error = StorageError(message.errno or 0, message.message)
+        error.filename = message.path
+        return error
+    return WriterError(f"the ckptd writer failed: {message.message}", message.traceback)
+
+
+def _raise_if_failed(response: Message) -> None:
+    if isinstance(response, Failed):
+        raise _failure_error(response)
+
+

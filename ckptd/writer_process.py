@@ -1,0 +1,227 @@
+"""The writer process: ``python -m ckptd.writer_process --fd N --parent-pid P``.
+
+It maps the staging arenas it is handed and streams shard files from them to storage,
+checksumming as it goes.  It imports no torch and never touches the trainer's ``__main__``, so it
+starts in a fraction of a second and is safe after CUDA initialisation.
+
+Threads: the main thread answers the control socket at once (pings, arena attach/detach) and
+watches the parent; one worker thread executes :class:`~ckptd.protocol.WriteFiles` requests in
+order.  When the parent dies (socket EOF or re-parenting) the writer abandons the save in flight,
+deletes that save's staging directory, unmaps every arena and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from ._version import __version__
+from .checksum import crc32c_of_view
+from .errors import StorageError
+from .protocol import (
+    PROTOCOL_VERSION,
+    AttachArena,
+    Channel,
+    ChannelClosed,
+    DetachArena,
+    Failed,
+    FileResult,
+    FileSpec,
+    FilesWritten,
+    Hello,
+    Ok,
+    Ping,
+    Pong,
+    Shutdown,
+    WriteFiles,
+)
+from .shm import SharedSegment
+from .storage import Storage, storage_for
+
+__all__ = ["main"]
+
+logger = logging.getLogger("ckptd.writer")
+
+_PARENT_POLL_SECONDS = 0.5
+
+
+class _Abandoned(Exception):
+    """The parent died: stop writing."""
+
+
+class _Writer:
+    def __init__(self, channel: Channel, parent_pid: int) -> None:
+        self.channel = channel
+        self.parent_pid = parent_pid
+        self.arenas: dict[int, SharedSegment] = {}
+        self.requests: queue.Queue[WriteFiles | None] = queue.Queue()
+        self.abandon = threading.Event()
+        self.current: WriteFiles | None = None
+        self.bytes_written = 0
+        self.checksums = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptd-crc")
+        self.worker = threading.Thread(target=self._work, name="ckptd-write", daemon=True)
+
+    def run(self) -> int:
+        self.channel.send(Hello(os.getpid(), PROTOCOL_VERSION, __version__, "torch" in sys.modules))
+        self.worker.start()
+        try:
+            while True:
+                if os.getppid() != self.parent_pid:
+                    raise ChannelClosed("parent process is gone")
+                readable, _, _ = select.select([self.channel.sock], [], [], _PARENT_POLL_SECONDS)
+                if not readable:
+                    continue
+                message, fds = self.channel.receive()
+                if isinstance(message, Shutdown):
+                    self.requests.put(None)
+                    self.worker.join()
+                    self.channel.send(Ok(message.request_id))
+                    return 0
+                try:
+                    self._dispatch(message, fds)
+                except Exception as e:  # noqa: BLE001 - reported, the writer stays up
+                    self.channel.send(_failure(getattr(message, "request_id", -1), e))
+        except (ChannelClosed, ConnectionError, OSError):
+            self._abandon()
+            return 0
+        finally:
+            self._close_arenas()
+
+    def _dispatch(self, message: object, fds: list[int]) -> None:
+        if isinstance(message, AttachArena):
+            old = self.arenas.pop(message.arena_id, None)
+            if old is not None:
+                old.close()
+            self.arenas[message.arena_id] = SharedSegment.attach(fds[0], message.size)
+            self.channel.send(Ok(message.request_id))
+        elif isinstance(message, DetachArena):
+            segment = self.arenas.pop(message.arena_id, None)
+            if segment is not None:
+                segment.close()
+            self.channel.send(Ok(message.request_id))
+        elif isinstance(message, Ping):
+            self.channel.send(Pong(message.request_id, self.current is not None, self.bytes_written))
+        elif isinstance(message, WriteFiles):
+            self.requests.put(message)
+        else:
+            for fd in fds:
+                os.close(fd)
+            logger.warning("ckptd writer: ignoring unexpected message %r", message)
+
+    def _abandon(self) -> None:
+        self.abandon.set()
+        self.requests.put(None)
+        self.worker.join(timeout=30)
+        request = self.current
+        if request is not None and request.abandon_directory:
+            try:
+                storage_for(request.abandon_directory, request.storage_options).remove_tree(request.abandon_directory)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                logger.warning("ckptd writer: could not remove %s", request.abandon_directory)
+
+    def _close_arenas(self) -> None:
+        for segment in self.arenas.values():
+            segment.close()
+        self.arenas.clear()
+        self.checksums.shutdown(wait=False, cancel_futures=True)
+
+    def _work(self) -> None:
+        while True:
+            request = self.requests.get()
+            if request is None or self.abandon.is_set():
+                return
+            self.current = request
+            try:
+                response: FilesWritten | Failed = self._write(request)
+            except _Abandoned:
+                return
+            except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
+                response = _failure(request.request_id, e)
+            if self.abandon.is_set():
+                return
+            self.current = None
+            try:
+                self.channel.send(response)
+            except OSError:
+                return
+
+    def _write(self, request: WriteFiles) -> FilesWritten:
+        started = time.perf_counter()
+        segment = self.arenas.get(request.arena_id)
+        if segment is None:
+            raise RuntimeError(f"arena {request.arena_id} is not attached to the writer")
+        storage = storage_for(request.directory, request.storage_options)
+        view = segment.view()
+        try:
+            if request.threads > 1 and len(request.files) > 1:
+                with ThreadPoolExecutor(request.threads, thread_name_prefix="ckptd-file") as pool:
+                    futures = [pool.submit(self._write_file, storage, request, spec, view) for spec in request.files]
+                    results = [f.result() for f in futures]
+            else:
+                results = [self._write_file(storage, request, spec, view) for spec in request.files]
+        finally:
+            view.release()
+        return FilesWritten(request.request_id, results, time.perf_counter() - started)
+
+    def _write_file(self, storage: Storage, request: WriteFiles, spec: FileSpec, arena: memoryview) -> FileResult:
+        started = time.perf_counter()
+        data = arena[spec.arena_offset : spec.arena_offset + spec.size]
+        checksum: Future[int] = self.checksums.submit(crc32c_of_view, data)
+        sink = storage.open_sink(storage.join(request.directory, spec.name), fsync=request.fsync)
+        try:
+            for start in range(0, spec.size, request.chunk_size):
+                if self.abandon.is_set():
+                    raise _Abandoned()
+                chunk = data[start : start + request.chunk_size]
+                sink.write(chunk)
+                self.bytes_written += len(chunk)
+            sink.finish()
+        except BaseException:
+            sink.abort()
+            checksum.cancel()
+            raise
+        return FileResult(spec.name, spec.size, checksum.result(), time.perf_counter() - started)
+
+
+def _failure(request_id: int, error: BaseException) -> Failed:
+    kind = "storage" if isinstance(error, (StorageError, OSError)) else "internal"
+    return Failed(
+        request_id=request_id,
+        kind=kind,
+        message=str(error),
+        path=getattr(error, "filename", None),
+        errno=getattr(error, "errno", None),
+        traceback="".join(traceback.format_exception(error)),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the writer process."""
+    parser = argparse.ArgumentParser(prog="ckptd-writer", description="ckptd background writer (internal)")
+    parser.add_argument("--fd", type=int, required=True, help="control socket file descriptor")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--nice", type=int, default=0, help="CPU niceness increment")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    # Ctrl-C in the terminal reaches the whole process group; the trainer decides, not us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "SIGXFSZ"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # report EFBIG as an error instead of dying
+    if args.nice:
+        os.nice(args.nice)
+    sock = socket.socket(fileno=args.fd)
+    return _Writer(Channel(sock), args.parent_pid).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
