@@ -14,7 +14,7 @@ import re
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -59,7 +59,7 @@ __all__ = [
     "validate_checkpoint",
 ]
 
-StateDictLike = Union[torch.nn.Module, dict[str, torch.Tensor]]
+StateDictLike = torch.nn.Module | dict[str, torch.Tensor]
 ShardIndex = dict[str, dict[str, Any]]
 SharingMetadataT = list[list[str]]
 
@@ -139,7 +139,9 @@ def save_shard_index(shard_index: ShardIndex, output_dir: str, index_name: str) 
     """Write a shard index atomically into ``output_dir``."""
     directory = local_path(output_dir)
     os.makedirs(directory, exist_ok=True)
-    _write_atomic(os.path.join(directory, check_file_name(index_name, directory)), json.dumps(shard_index, indent=2).encode())
+    _write_atomic(
+        os.path.join(directory, check_file_name(index_name, directory)), json.dumps(shard_index, indent=2).encode()
+    )
 
 
 def load_shard_index(output_dir: str, index_name: str) -> ShardIndex:
@@ -251,7 +253,7 @@ def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     seen: set[tuple[int, int]] = set()
     out = {}
     for key, tensor in state.items():
-        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        identity = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
         out[key] = tensor.clone() if identity in seen and tensor.numel() else tensor
         seen.add(identity)
     return out
@@ -352,7 +354,9 @@ def load_sharded_checkpoint(
 
     Module mode returns the module keys that were not loaded; dict mode returns the tensors.
     """
-    reader = CheckpointReader.from_index(local_path(model_dir), shard_index, "safetensors" if safetensors else "torch_bin")
+    reader = CheckpointReader.from_index(
+        local_path(model_dir), shard_index, "safetensors" if safetensors else "torch_bin"
+    )
     if module is None:
         return reader.read("model", keys, device=device)
     return load_into_module(reader, "model", module, strict=strict, assign=assign, device=device)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .checksum import format_crc
 from .commit import ComponentInfo, finalize_checkpoint
 from .errors import CheckpointExistsError, CheckpointNotFoundError, CkptdError, ConfigError
 from .flatten import FlatComponent, flatten_component
@@ -35,7 +36,6 @@ from .manager import (
     staging_dir_name,
 )
 from .manifest import MANIFEST_NAME, FileRecord, Manifest, tensor_records_from_plan
-from .checksum import format_crc
 from .options import CheckpointerOptions
 from .planner import SavePlan, describe_tensors, layout_signature, plan_save
 from .protocol import FileSpec, FilesWritten
@@ -135,13 +135,13 @@ class Checkpointer:
         """Where the checkpoint of ``step`` lives (or will)."""
         return self.storage.join(self.root, checkpoint_dir_name(step))
 
-    def list(self) -> list[CheckpointInfo]:
+    def checkpoints(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest step first (directories without a manifest are ignored)."""
         return list_checkpoints(self.storage, self.root)
 
     def steps(self) -> list[int]:
         """Steps of the committed checkpoints, ascending."""
-        return [info.step for info in self.list()]
+        return [info.step for info in self.checkpoints()]
 
     def latest_step(self) -> int | None:
         """The highest committed step, or ``None`` if there is no checkpoint yet."""
@@ -320,7 +320,9 @@ class Checkpointer:
             apply_retention(storage, self.root, self.options.keep_last, protect={final})
         total = time.perf_counter() - job.started
         job.request.timings.update(manifest.timings, total=total)
-        return SaveResult(job.request.step, final, sum(f.size for f in manifest.files.values()), dict(job.request.timings))
+        return SaveResult(
+            job.request.step, final, sum(f.size for f in manifest.files.values()), dict(job.request.timings)
+        )
 
     # ---- loading ---------------------------------------------------------------------------
 

@@ -6,11 +6,9 @@ writes it.  This module imports nothing heavy: the writer process uses it too.
 
 from __future__ import annotations
 
-from typing import Union
-
 import crc32c as _crc32c
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 __all__ = ["CHECKSUM_CHUNK", "crc32c", "crc32c_of_view", "format_crc"]
 

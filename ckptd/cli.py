@@ -68,12 +68,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 f"{result.timings['total']:.2f} s (write {result.timings['write']:.2f} s)"
             )
         latest = ckpt.latest_step()
+        if latest is None:
+            print("no checkpoint was committed")
+            return 1
         restored = torch.nn.TransformerEncoder(
             torch.nn.TransformerEncoderLayer(args.width, nhead=4, dim_feedforward=4 * args.width, batch_first=True),
             num_layers=args.layers,
         )
         ckpt.load(latest, into={"model": restored}, verify=True)
-        same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), restored.state_dict().values()))
+        same = all(
+            torch.equal(a, b) for a, b in zip(model.state_dict().values(), restored.state_dict().values(), strict=True)
+        )
         print(f"latest checkpoint: step {latest}; reloaded model identical: {same}; checkpoints kept: {ckpt.steps()}")
     return 0 if same else 1
 

@@ -45,7 +45,9 @@ class ComponentInfo:
     index_metadata: dict[str, Any] | None = None
 
 
-def write_small_file(storage: Storage, directory: str, name: str, data: bytes, files: dict[str, FileRecord], fsync: bool) -> None:
+def write_small_file(
+    storage: Storage, directory: str, name: str, data: bytes, files: dict[str, FileRecord], fsync: bool
+) -> None:
     """Write a small file and record its size and checksum."""
     storage.write_bytes(storage.join(directory, name), data, fsync=fsync)
     files[name] = FileRecord(len(data), format_crc(crc32c(data)))

@@ -212,9 +212,7 @@ def tree_tensor_keys(tree: Any) -> list[str]:
     return keys
 
 
-def restore_tree(
-    tree: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool = False, where: str = ""
-) -> Any:
+def restore_tree(tree: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool = False, where: str = "") -> Any:
     """Rebuild the original structure of an encoded tree, taking tensors from ``tensors``."""
 
     def decode(node: Any) -> Any:
@@ -257,7 +255,7 @@ def restore_tree(
                     f"{where or 'the checkpoint'} holds a pickled object; pass allow_pickle=True "
                     "only if you trust the checkpoint"
                 )
-            return pickle.loads(base64.b64decode(node["b64"]))  # noqa: S301 - explicit opt-in
+            return pickle.loads(base64.b64decode(node["b64"]))
         raise UnsupportedValueError(f"unknown tag {tag!r} in {where or 'the checkpoint state'}")
 
     return decode(tree)

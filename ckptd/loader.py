@@ -77,7 +77,9 @@ class CheckpointReader:
     ``"torch_bin"``.  ``manifest`` is set for ckptd checkpoints.
     """
 
-    def __init__(self, directory: str, storage: Storage, kind: str, sources: dict[str, _Source], manifest: Manifest | None) -> None:
+    def __init__(
+        self, directory: str, storage: Storage, kind: str, sources: dict[str, _Source], manifest: Manifest | None
+    ) -> None:
         self.directory = directory
         self.storage = storage
         self.kind = kind
@@ -242,9 +244,7 @@ class CheckpointReader:
         wanted = list(source.weight_map) if keys is None else [source.aliases.get(k, k) for k in keys]
         missing = [k for k in wanted if k not in source.weight_map]
         if missing:
-            raise KeyMismatchError(
-                f"{self.directory}: component {component!r} has no tensor(s) {_preview(missing)}"
-            )
+            raise KeyMismatchError(f"{self.directory}: component {component!r} has no tensor(s) {_preview(missing)}")
         if source.records is not None:
             return {k: source.records[k] for k in wanted}
         located: dict[str, TensorRecord] = {}
@@ -345,7 +345,9 @@ class CheckpointReader:
             result[key] = tensor
         return result
 
-    def _read_safetensors(self, records: dict[str, TensorRecord], targets: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _read_safetensors(
+        self, records: dict[str, TensorRecord], targets: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         by_file: dict[str, list[str]] = {}
         for key, record in records.items():
             by_file.setdefault(record.file, []).append(key)
@@ -369,7 +371,9 @@ class CheckpointReader:
                 read_file(file_name)
         return out
 
-    def _read_bin(self, files: list[str], keys: set[str], targets: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _read_bin(
+        self, files: list[str], keys: set[str], targets: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         if not self.storage.local:
             raise CorruptCheckpointError(f"{self.directory}: .bin checkpoints can only be read from local storage")
         out: dict[str, torch.Tensor] = {}
@@ -385,7 +389,9 @@ class CheckpointReader:
                 out[key] = tensor
         missing = keys - set(out)
         if missing:
-            raise CorruptCheckpointError(f"{self.directory}: index lists {_preview(sorted(missing))} but the shards lack them")
+            raise CorruptCheckpointError(
+                f"{self.directory}: index lists {_preview(sorted(missing))} but the shards lack them"
+            )
         return out
 
 
@@ -416,7 +422,9 @@ def _parse_index(index: Any, where: str) -> tuple[dict[str, str], dict[str, str]
 def _read_one(reader: Any, path: str, key: str, record: TensorRecord, target: torch.Tensor | None) -> torch.Tensor:
     dtype = dtype_from_name(record.dtype, f" for tensor {key!r} in {path}")
     if record.end > reader.size:
-        raise CorruptCheckpointError(f"{path}: file is truncated: tensor {key!r} ends at byte {record.end}, file has {reader.size}")
+        raise CorruptCheckpointError(
+            f"{path}: file is truncated: tensor {key!r} ends at byte {record.end}, file has {reader.size}"
+        )
     direct = (
         target is not None
         and target.device.type == "cpu"
@@ -459,4 +467,3 @@ def _safe_path(storage: Storage, directory: str, name: str, where: str) -> str:
 def _preview(keys: list[str], limit: int = 5) -> str:
     shown = ", ".join(repr(k) for k in keys[:limit])
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-

@@ -119,19 +119,15 @@ def remove_checkpoint(storage: Storage, path: str) -> None:
 
 
 def apply_retention(storage: Storage, root: str, keep_last: int, protect: set[str] | None = None) -> list[str]:
-    """Delete the oldest checkpoints so that ``keep_last`` remain; never deletes ``protect``."""
+    """Keep the ``keep_last`` newest checkpoints (plus any in ``protect``); delete the older ones."""
     protect = protect or set()
     checkpoints = list_checkpoints(storage, root)
-    excess = len(checkpoints) - keep_last
     removed = []
-    for info in checkpoints:
-        if excess <= 0:
-            break
+    for info in checkpoints[: max(0, len(checkpoints) - keep_last)]:
         if info.path in protect:
             continue
         remove_checkpoint(storage, info.path)
         removed.append(info.path)
-        excess -= 1
     return removed
 
 

@@ -96,7 +96,8 @@ class SavePlan:
 def describe_tensors(component: str, tensors: dict[str, torch.Tensor]) -> list[WriteItem]:
     """Write items for a component's tensors, in the state's order."""
     return [
-        WriteItem(component, key, dtype_name(t.dtype, f"{component}.{key}"), tuple(t.shape)) for key, t in tensors.items()
+        WriteItem(component, key, dtype_name(t.dtype, f"{component}.{key}"), tuple(t.shape))
+        for key, t in tensors.items()
     ]
 
 

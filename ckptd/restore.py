@@ -79,9 +79,7 @@ def load_into_module(
     available = set(reader.keys(component))
     own_ties = {key: group for group in find_tied_groups(tensor_state) for key in group}
     wanted = [k for k in tensor_state if k in available]
-    missing = [
-        k for k in tensor_state if k not in available and not any(o in available for o in own_ties.get(k, ()))
-    ]
+    missing = [k for k in tensor_state if k not in available and not any(o in available for o in own_ties.get(k, ()))]
     unexpected = sorted(available - set(state))
     if strict and (missing or unexpected):
         raise KeyMismatchError(
@@ -112,7 +110,9 @@ def read_components(
     out: dict[str, Any] = {}
     for name in names:
         if name not in trees and name not in reader.components():
-            raise KeyMismatchError(f"{reader.directory}: no component {name!r} (has {sorted({*trees, *reader.components()})})")
+            raise KeyMismatchError(
+                f"{reader.directory}: no component {name!r} (has {sorted({*trees, *reader.components()})})"
+            )
         tree = trees.get(name)
         if tree is None:
             out[name] = reader.read(name, device=device, verify=verify)

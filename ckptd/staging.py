@@ -37,7 +37,7 @@ class StagingArena:
         self.segment = SharedSegment.create(-(-size // _GROWTH_ALIGNMENT) * _GROWTH_ALIGNMENT)
         self.plan: SavePlan | None = None
         self.busy = False
-        self._base: torch.Tensor | None = torch.frombuffer(self.segment.mmap, dtype=torch.uint8)  # type: ignore[arg-type]
+        self._base: torch.Tensor | None = torch.frombuffer(self.segment.mmap, dtype=torch.uint8)
         self._views: list[torch.Tensor] = []
         self.pinned = _pin(self._base)
 

@@ -77,6 +77,7 @@ class WriterClient:
         self._arenas: dict[int, SharedSegment] = {}
         self._arenas_lock = threading.Lock()
         self._attached: set[int] = set()
+        self._detach_later: set[int] = set()
         self._process: subprocess.Popen[bytes] | None = None
         self._channel: Channel | None = None
         self._hello: Future[Hello] | None = None
@@ -102,6 +103,7 @@ class WriterClient:
             if not self.alive():
                 self._reap()
                 self._spawn()
+            self._send_detaches()
             with self._arenas_lock:
                 unattached = [(i, seg) for i, seg in self._arenas.items() if i not in self._attached]
             for arena_id, segment in unattached:
@@ -142,8 +144,12 @@ class WriterClient:
         self._channel = Channel(parent_sock)
         self._hello = Future()
         self._stderr_tail.clear()
-        threading.Thread(target=self._read_stderr, args=(process.stderr,), name="ckptd-writer-stderr", daemon=True).start()
-        threading.Thread(target=self._read_responses, args=(self._channel, process), name="ckptd-writer-rx", daemon=True).start()
+        threading.Thread(
+            target=self._read_stderr, args=(process.stderr,), name="ckptd-writer-stderr", daemon=True
+        ).start()
+        threading.Thread(
+            target=self._read_responses, args=(self._channel, process), name="ckptd-writer-rx", daemon=True
+        ).start()
         try:
             hello = self._hello.result(timeout=self.start_timeout)
         except TimeoutError:
@@ -206,7 +212,9 @@ class WriterClient:
 
     def _request(self, message: Message, fds: tuple[int, ...] = ()) -> Future[Message]:
         future: Future[Message] = Future()
-        request_id = getattr(message, "request_id")
+        request_id = getattr(message, "request_id", None)
+        if request_id is None:
+            raise WriterError(f"cannot send {type(message).__name__} as a request")
         channel = self._channel
         if channel is None:
             raise WriterError("the ckptd writer is not running")
@@ -232,15 +240,28 @@ class WriterClient:
         self._attached.add(arena_id)
 
     def detach_arena(self, arena_id: int) -> None:
-        """Forget an arena and tell the writer to unmap it (only when no write uses it)."""
+        """Forget an arena and tell the writer to unmap it (only when no write uses it).
+
+        Does not wait for the answer: the caller may be the training thread.
+        """
         with self._arenas_lock:
             self._arenas.pop(arena_id, None)
-        with self._lock:
+            self._detach_later.add(arena_id)
+        if self._lock.acquire(blocking=False):  # else the next ensure_running() sends it
+            try:
+                self._send_detaches()
+            finally:
+                self._lock.release()
+
+    def _send_detaches(self) -> None:
+        with self._arenas_lock:
+            arena_ids, self._detach_later = self._detach_later, set()
+        for arena_id in arena_ids:
             if arena_id in self._attached and self.alive():
                 self._attached.discard(arena_id)
                 try:
-                    self._request(DetachArena(self._next_id(), arena_id)).result(timeout=self.start_timeout)
-                except (WriterError, TimeoutError):
+                    self._request(DetachArena(self._next_id(), arena_id))
+                except WriterError:
                     pass
 
     def write_files(self, **fields: object) -> Future[Message]:
@@ -332,5 +353,3 @@ def _failure_error(message: Failed) -> Exception:
 def _raise_if_failed(response: Message) -> None:
     if isinstance(response, Failed):
         raise _failure_error(response)
-
-

@@ -8,6 +8,7 @@ the writer can stream a shard straight from the staging arena without materialis
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
@@ -138,7 +139,7 @@ def parse_header(prefix: bytes, header_bytes: bytes, file_size: int | None, name
     for key, info in raw.items():
         entries[key] = _parse_entry(key, info, name)
     spans = sorted((e.start, e.end, e.key) for e in entries.values() if e.nbytes)
-    for (_, end_a, key_a), (start_b, _, key_b) in zip(spans, spans[1:]):
+    for (_, end_a, key_a), (start_b, _, key_b) in itertools.pairwise(spans):
         if start_b < end_a:
             raise CorruptCheckpointError(f"{name}: tensors {key_a!r} and {key_b!r} overlap in the data section")
     header = SafetensorsHeader(data_start, entries, {str(k): str(v) for k, v in metadata_raw.items()})
@@ -165,9 +166,7 @@ def _parse_entry(key: str, info: Any, name: str) -> TensorEntry:
     start, end = offsets
     expected = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
     if start < 0 or end - start != expected:
-        raise CorruptCheckpointError(
-            f"data_offsets {offsets} do not match {dtype}{shape} ({expected} bytes){where}"
-        )
+        raise CorruptCheckpointError(f"data_offsets {offsets} do not match {dtype}{shape} ({expected} bytes){where}")
     return TensorEntry(key, dtype, tuple(shape), start, end)
 
 

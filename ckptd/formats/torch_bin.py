@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 from collections.abc import Mapping
 
 import torch
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["load_bin", "save_bin_bytes"]
 
@@ -28,10 +29,12 @@ def load_bin(path: str) -> dict[str, torch.Tensor]:
     """Load a local ``.bin`` shard with ``weights_only=True`` (memory-mapped when possible)."""
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=os.path.getsize(path) > 0)
-    except (RuntimeError, EOFError, ValueError, OSError) as e:
-        raise CorruptCheckpointError(f"{path}: cannot read PyTorch checkpoint ({e})") from e
-    except Exception as e:  # unpickling refused (weights_only) or another malformed payload
-        raise CorruptCheckpointError(f"{path}: refused or malformed PyTorch checkpoint ({e})") from e
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"{path}: holds objects that weights_only loading refuses; ckptd never unpickles .bin files ({e})"
+        ) from e
+    except Exception as e:  # truncated zip, bad magic, malformed records...
+        raise CorruptCheckpointError(f"{path}: cannot read PyTorch checkpoint ({type(e).__name__}: {e})") from e
     if not isinstance(loaded, Mapping) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
         raise CorruptCheckpointError(f"{path}: expected a mapping of tensor names to tensors")
     return dict(loaded)

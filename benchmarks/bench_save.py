@@ -1,0 +1,628 @@
+#!/usr/bin/env python
+"""Benchmark ckptd's asynchronous save against hardware floors and torch.distributed.checkpoint.
+
+The script builds a transformer-shaped training state (bf16 weights, fp32 Adam moments, an int64
+step) of about ``--gib`` GiB and measures, in one run:
+
+* the copy floor: ``dst.copy_(src)`` of every tensor into preallocated tensors -- the least a
+  snapshot can block the training loop on this machine;
+* the write floor: one sequential ``os.write`` stream of the same bytes plus ``fsync`` -- the
+  least a durable save can take on this disk;
+* ``safetensors.torch.save_file`` + ``fsync`` of the flat state, a synchronous reference;
+* ckptd ``Checkpointer.async_save``: blocking time and time until the commit, first save
+  (writer start, arena allocation) separately from warm saves;
+* DCP ``async_save`` in process mode with a reused ``DefaultStager``, first and warm saves.
+
+Example::
+
+    python benchmarks/bench_save.py --gib 2 --repeats 3 --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import shlex
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+GIB = 1024**3
+MIB = 1024**2
+WRITE_CHUNK = 16 * MIB
+VOCAB = 32_000
+LAYERS = 11  # 1 + 9 * 11 = 100 weights -> 300 moments + 1 step = 301 tensors
+HIDDEN_MULTIPLE = 64
+BYTES_PER_PARAM = 2 + 4 + 4  # bf16 weight + fp32 exp_avg + fp32 exp_avg_sq
+
+State = dict[str, dict[str, torch.Tensor]]
+
+
+# ---- results -------------------------------------------------------------------------------
+
+
+@dataclass
+class Samples:
+    """Seconds measured for one quantity, one value per repeat."""
+
+    name: str
+    values: list[float] = field(default_factory=list)
+
+    def add(self, seconds: float) -> None:
+        self.values.append(seconds)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def low(self) -> float:
+        return min(self.values)
+
+    @property
+    def high(self) -> float:
+        return max(self.values)
+
+
+@dataclass
+class Row:
+    """One line of the final table: a measurement, optionally compared with a reference."""
+
+    what: str
+    samples: Samples
+    reference: Samples | None = None
+    reference_label: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.reference is None else self.samples.median / self.reference.median
+
+    @property
+    def delta(self) -> float | None:
+        return None if self.reference is None else self.samples.median - self.reference.median
+
+
+# ---- machine and state ---------------------------------------------------------------------
+
+
+def machine_info(bench_dir: str) -> dict[str, Any]:
+    """CPU count, RAM, CPU model, versions and the filesystem holding ``bench_dir``."""
+    mem_kib = 0
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem_kib = int(line.split()[1])
+    cpu_model = platform.processor() or "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    import ckptd
+    import safetensors
+
+    return {
+        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "ram_gib": round(mem_kib / 1024**2, 1),
+        "cpu": cpu_model,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+        "ckptd": ckptd.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "bench_dir": bench_dir,
+        "bench_fs": filesystem_of(bench_dir),
+    }
+
+
+def filesystem_of(path: str) -> str:
+    """``"<fstype> on <mountpoint> (<device>)"`` for the mount holding ``path`` (best effort)."""
+    best = ("", "?", "?")
+    real = os.path.realpath(path)
+    with contextlib.suppress(OSError), open("/proc/mounts") as f:
+        for line in f:
+            device, mount, fstype = line.split()[:3]
+            inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(best[0]):
+                best = (mount, fstype, device)
+    return f"{best[1]} on {best[0] or '?'} ({best[2]})"
+
+
+def hidden_size_for(gib: float) -> int:
+    """The hidden size (a multiple of 64) whose weights + Adam moments come closest to ``gib`` GiB."""
+    params = gib * GIB / BYTES_PER_PARAM
+    # params(h) = VOCAB*h + LAYERS*(16*h*h + 2*h); solve the quadratic for h.
+    a, b = 16 * LAYERS, VOCAB + 2 * LAYERS
+    h = (-b + (b * b + 4 * a * params) ** 0.5) / (2 * a)
+    return max(HIDDEN_MULTIPLE, round(h / HIDDEN_MULTIPLE) * HIDDEN_MULTIPLE)
+
+
+def weight_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a decoder-only transformer's weights (Llama-style, untied head)."""
+    h = hidden
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (VOCAB, h)}
+    for i in range(LAYERS):
+        p = f"layers.{i}"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes[f"{p}.self_attn.{proj}.weight"] = (h, h)
+        shapes[f"{p}.mlp.up_proj.weight"] = (4 * h, h)
+        shapes[f"{p}.mlp.gate_proj.weight"] = (4 * h, h)
+        shapes[f"{p}.mlp.down_proj.weight"] = (h, 4 * h)
+        shapes[f"{p}.input_layernorm.weight"] = (h,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+    return shapes
+
+
+def build_state(gib: float, seed: int = 0) -> State:
+    """A ``{"model": ..., "optimizer": ...}`` state of about ``gib`` GiB filled with random data."""
+    gen = torch.Generator().manual_seed(seed)
+    model: dict[str, torch.Tensor] = {}
+    optimizer: dict[str, torch.Tensor] = {}
+    for name, shape in weight_shapes(hidden_size_for(gib)).items():
+        model[name] = torch.randn(shape, generator=gen, dtype=torch.bfloat16)
+        optimizer[f"state.{name}.exp_avg"] = torch.randn(shape, generator=gen, dtype=torch.float32)
+        optimizer[f"state.{name}.exp_avg_sq"] = torch.rand(shape, generator=gen, dtype=torch.float32)
+    optimizer["step"] = torch.randint(0, 1_000_000, (), generator=gen, dtype=torch.int64)
+    return {"model": model, "optimizer": optimizer}
+
+
+def iter_tensors(state: State) -> Iterator[tuple[str, torch.Tensor]]:
+    """``("component.key", tensor)`` for every tensor of the state."""
+    for component, tensors in state.items():
+        for key, tensor in tensors.items():
+            yield f"{component}.{key}", tensor
+
+
+def state_bytes(state: State) -> int:
+    """Total tensor payload of the state in bytes."""
+    return sum(t.numel() * t.element_size() for _, t in iter_tensors(state))
+
+
+def free_memory() -> None:
+    """Collect garbage so freed buffers go back before the next phase."""
+    gc.collect()
+
+
+# ---- floors and references -----------------------------------------------------------------
+
+
+def bench_copy_floor(state: State, repeats: int) -> Samples:
+    """Seconds to ``copy_`` every tensor into preallocated (and pre-faulted) tensors."""
+    pairs = [(src, torch.empty_like(src)) for _, src in iter_tensors(state)]
+    for src, dst in pairs:  # warm-up: fault the destination pages in
+        dst.copy_(src)
+    samples = Samples("copy floor")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for src, dst in pairs:
+            dst.copy_(src)
+        samples.add(time.perf_counter() - started)
+    del pairs
+    free_memory()
+    return samples
+
+
+def contiguous_copy(state: State) -> torch.Tensor:
+    """One uint8 buffer holding every tensor's bytes back to back (real data, pages faulted in)."""
+    buffer = torch.empty(state_bytes(state), dtype=torch.uint8)
+    offset = 0
+    for _, tensor in iter_tensors(state):
+        raw = tensor.reshape(-1).view(torch.uint8)
+        buffer[offset : offset + raw.numel()].copy_(raw)
+        offset += raw.numel()
+    return buffer
+
+
+def write_and_fsync(path: str, data: memoryview, chunk: int = WRITE_CHUNK) -> None:
+    """Write ``data`` sequentially with ``os.write`` in ``chunk``-byte pieces, fsync, close."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        offset = 0
+        while offset < len(data):
+            offset += os.write(fd, data[offset : offset + chunk])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path: str) -> None:
+    """fsync an existing file by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def bench_raw_write(state: State, bench_dir: str, repeats: int) -> Samples:
+    """Seconds to stream the state's byte count to one file and fsync it."""
+    buffer = contiguous_copy(state)
+    data = memoryview(buffer.numpy())
+    path = os.path.join(bench_dir, "raw-write.bin")
+    samples = Samples("raw write+fsync")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        write_and_fsync(path, data)
+        samples.add(time.perf_counter() - started)
+        os.remove(path)
+    data.release()
+    del buffer
+    free_memory()
+    return samples
+
+
+def bench_safetensors(state: State, bench_dir: str, repeats: int) -> Samples:
+    """Seconds for ``safetensors.torch.save_file`` of the flat state plus an fsync."""
+    from safetensors.torch import save_file
+
+    flat = dict(iter_tensors(state))
+    path = os.path.join(bench_dir, "state.safetensors")
+    samples = Samples("safetensors save_file+fsync")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        save_file(flat, path)
+        fsync_path(path)
+        samples.add(time.perf_counter() - started)
+        os.remove(path)
+    del flat
+    free_memory()
+    return samples
+
+
+# ---- ckptd ---------------------------------------------------------------------------------
+
+
+@dataclass
+class SaveRun:
+    """Blocking and total seconds of a first save and of the warm saves after it."""
+
+    label: str
+    setup: Samples
+    first_blocking: Samples
+    first_total: Samples
+    warm_blocking: Samples
+    warm_total: Samples
+    details: list[dict[str, Any]] = field(default_factory=list)
+    note: str = ""
+
+
+def new_save_run(label: str) -> SaveRun:
+    """An empty :class:`SaveRun` whose sample names start with ``label``."""
+    return SaveRun(
+        label=label,
+        setup=Samples(f"{label} setup"),
+        first_blocking=Samples(f"{label} first blocking"),
+        first_total=Samples(f"{label} first total"),
+        warm_blocking=Samples(f"{label} warm blocking"),
+        warm_total=Samples(f"{label} warm total"),
+    )
+
+
+def format_timings(timings: dict[str, float]) -> str:
+    """``plan=0.001 wait=0.000 ...`` in ckptd's phase order, then any other keys."""
+    order = ["plan", "wait", "stage", "blocking", "write", "commit", "total"]
+    keys = [k for k in order if k in timings] + sorted(k for k in timings if k not in order)
+    return " ".join(f"{k}={timings[k]:.3f}" for k in keys)
+
+
+def bench_ckptd(state: State, bench_dir: str, repeats: int) -> SaveRun:
+    """First save (Checkpointer construction included in its total), then ``repeats`` warm saves."""
+    import ckptd
+
+    run = new_save_run("ckptd")
+    root = os.path.join(bench_dir, "ckptd")
+    started = time.perf_counter()
+    ckpt = ckptd.Checkpointer(root, max_shard_size="2GB")
+    run.setup.add(time.perf_counter() - started)
+    try:
+        for step in range(repeats + 1):
+            first = step == 0
+            if not first:
+                started = time.perf_counter()
+            call_started = time.perf_counter()
+            request = ckpt.async_save(step, state)
+            blocking = time.perf_counter() - call_started
+            result = request.result()
+            total = time.perf_counter() - started
+            (run.first_blocking if first else run.warm_blocking).add(blocking)
+            (run.first_total if first else run.warm_total).add(total)
+            kind = "first" if first else "warm "
+            print(
+                f"  ckptd save {step} ({kind}): blocking {blocking:.3f} s, total {total:.3f} s, "
+                f"{result.bytes_written / GIB:.3f} GiB; timings {format_timings(request.timings)}",
+                flush=True,
+            )
+            run.details.append(
+                {"step": step, "first": first, "blocking": blocking, "total": total, "timings": dict(request.timings)}
+            )
+            shutil.rmtree(result.path)
+    finally:
+        ckpt.close()
+    free_memory()
+    return run
+
+
+# ---- torch.distributed.checkpoint ----------------------------------------------------------
+
+
+def free_tcp_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_single_rank_group() -> bool:
+    """Start a 1-rank gloo process group if none exists (DCP's process mode needs one).
+
+    Returns True when this function created the group (the caller destroys it).
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    # The checkpoint process DCP spawns reads MASTER_ADDR (else it resolves the host's FQDN).
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}", rank=0, world_size=1)
+    return True
+
+
+def stop_dcp_process() -> None:
+    """Terminate the checkpoint daemon DCP's process mode keeps for the life of the trainer.
+
+    DCP has no public call for this; its ``_AsyncCheckpointProcess`` sends TERMINATE and joins the
+    child when it is garbage collected, so drop the module-level reference and collect.
+    """
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    process = executor._CHECKPOINT_PROCESS
+    executor._CHECKPOINT_PROCESS = None
+    del process
+    gc.collect()
+
+
+def dcp_upload_future(response: Any) -> Any:
+    """The future that completes when DCP's write finished (``AsyncSaveResponse`` or a Future)."""
+    return getattr(response, "upload_completion", response)
+
+
+def bench_dcp(state: State, bench_dir: str, repeats: int) -> SaveRun:
+    """DCP ``async_save`` (process mode, else thread mode) with a reused shared-memory stager."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    created_group = init_single_rank_group()
+    mode = AsyncCheckpointerType.PROCESS
+    run = new_save_run("DCP")
+    # On CPU, pinned memory and non-blocking copies need an accelerator; async staging would only
+    # move the copy to a thread (the state must not change until it ends), so stage synchronously
+    # into cached shared-memory storages, which go to the checkpoint process without another copy.
+    options = StagingOptions(
+        use_pinned_memory=False, use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=False
+    )
+    run.note = f"DefaultStager({options}), reused across saves; no_dist=True; 1-rank gloo group"
+    stager: Any = None
+    try:
+        step = 0
+        while step <= repeats:
+            first = step == 0
+            started = time.perf_counter()
+            if first:
+                stager = DefaultStager(options)
+                run.setup.add(time.perf_counter() - started)
+            path = os.path.join(bench_dir, "dcp", f"step-{step}")
+            call_started = time.perf_counter()
+            try:
+                response = dcp.async_save(
+                    state, checkpoint_id=path, async_checkpointer_type=mode, async_stager=stager, no_dist=True
+                )
+                blocking = time.perf_counter() - call_started
+                dcp_upload_future(response).result()
+            except Exception:
+                if mode is AsyncCheckpointerType.THREAD or not first:
+                    raise
+                print("  DCP process mode failed; falling back to THREAD mode:", flush=True)
+                traceback.print_exc()
+                stop_dcp_process()
+                shutil.rmtree(path, ignore_errors=True)
+                stager.close()
+                mode = AsyncCheckpointerType.THREAD
+                run = new_save_run("DCP[thread]")
+                run.note = f"FALLBACK to thread mode; DefaultStager({options}), reused; no_dist=True"
+                continue
+            total = time.perf_counter() - started
+            (run.first_blocking if first else run.warm_blocking).add(blocking)
+            (run.first_total if first else run.warm_total).add(total)
+            kind = "first" if first else "warm "
+            print(f"  {run.label} save {step} ({kind}): blocking {blocking:.3f} s, total {total:.3f} s", flush=True)
+            run.details.append({"step": step, "first": first, "blocking": blocking, "total": total})
+            shutil.rmtree(path)
+            step += 1
+    finally:
+        if stager is not None:
+            stager.close()
+        stop_dcp_process()
+        if created_group:
+            dist.destroy_process_group()
+    run.note += f"; mode={mode.name}"
+    free_memory()
+    return run
+
+
+# ---- report --------------------------------------------------------------------------------
+
+
+def build_rows(floors: dict[str, Samples], runs: list[SaveRun]) -> list[Row]:
+    """Table rows: floors, then each async saver against them, then ckptd against DCP."""
+    copy_floor, raw_write = floors["copy"], floors["raw"]
+    rows = [
+        Row("copy floor (copy_ into preallocated)", copy_floor),
+        Row("raw write+fsync floor", raw_write),
+    ]
+    if "safetensors" in floors:
+        rows.append(Row("safetensors save_file+fsync", floors["safetensors"], raw_write, "raw write"))
+    for run in runs:
+        name = run.label
+        rows += [
+            Row(f"{name} setup (constructor)", run.setup),
+            Row(f"{name} first blocking", run.first_blocking, copy_floor, "copy floor"),
+            Row(f"{name} first total (incl. setup)", run.first_total, raw_write, "raw write"),
+            Row(f"{name} warm blocking", run.warm_blocking, copy_floor, "copy floor"),
+            Row(f"{name} warm total", run.warm_total, raw_write, "raw write"),
+        ]
+    if len(runs) == 2:
+        ours, theirs = runs
+        for attr in ("first_blocking", "first_total", "warm_blocking", "warm_total"):
+            mine: Samples = getattr(ours, attr)
+            other: Samples = getattr(theirs, attr)
+            rows.append(Row(f"{mine.name} vs {other.name}", mine, other, theirs.label))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    """A fixed-width text table (also valid Markdown)."""
+    header = ["what", "median s", "min s", "max s", "n", "ratio", "vs", "diff s"]
+    lines = []
+    for row in rows:
+        s = row.samples
+        lines.append(
+            [
+                row.what,
+                f"{s.median:.3f}",
+                f"{s.low:.3f}",
+                f"{s.high:.3f}",
+                str(len(s.values)),
+                "" if row.ratio is None else f"{row.ratio:.2f}x",
+                row.reference_label,
+                "" if row.delta is None else f"{row.delta:+.3f}",
+            ]
+        )
+    widths = [max(len(header[i]), *(len(line[i]) for line in lines)) for i in range(len(header))]
+
+    def fmt(cells: list[str]) -> str:
+        padded = [c.ljust(w) if i in (0, 6) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([fmt(header), rule, *(fmt(line) for line in lines)])
+
+
+def dump_json(path: str, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as indented JSON."""
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+        f.write("\n")
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=2.0, help="state size in GiB (default 2.0)")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats per measurement (default 3)")
+    parser.add_argument(
+        "--dir",
+        default="/work",
+        help="parent directory of the fresh benchmark directory (default /work; avoid tmpfs such as /tmp)",
+    )
+    parser.add_argument("--skip-dcp", action="store_true", help="do not benchmark torch.distributed.checkpoint")
+    parser.add_argument("--json", metavar="PATH", help="also write all samples and the table as JSON")
+    args = parser.parse_args(argv)
+    if args.gib <= 0 or args.repeats < 1:
+        parser.error("--gib must be > 0 and --repeats >= 1")
+    return args
+
+
+def timed_phase(title: str, fn: Callable[[], Any]) -> Any:
+    """Run one phase, printing its title and wall time."""
+    print(f"\n== {title}", flush=True)
+    started = time.perf_counter()
+    result = fn()
+    print(f"   ({time.perf_counter() - started:.1f} s)", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(2)
+    os.makedirs(args.dir, exist_ok=True)
+    bench_dir = tempfile.mkdtemp(prefix="ckptd-bench-", dir=args.dir)
+    machine = machine_info(bench_dir)
+    print("command:", shlex.join([sys.executable, *sys.argv]))
+    print("machine:", ", ".join(f"{k}={v}" for k, v in machine.items()))
+    try:
+        state = timed_phase("building state", lambda: build_state(args.gib))
+        total = state_bytes(state)
+        count = sum(1 for _ in iter_tensors(state))
+        hidden = hidden_size_for(args.gib)
+        print(
+            f"state: {total / GIB:.3f} GiB ({total} bytes), {count} tensors; vocab {VOCAB}, hidden {hidden}, "
+            f"{LAYERS} layers; bf16 weights + fp32 Adam exp_avg/exp_avg_sq + int64 step"
+        )
+        floors: dict[str, Samples] = {}
+        floors["copy"] = timed_phase("copy floor", lambda: bench_copy_floor(state, args.repeats))
+        floors["raw"] = timed_phase("raw write+fsync", lambda: bench_raw_write(state, bench_dir, args.repeats))
+        floors["safetensors"] = timed_phase(
+            "safetensors save_file+fsync", lambda: bench_safetensors(state, bench_dir, args.repeats)
+        )
+        for samples in (floors["copy"], floors["raw"]):
+            print(f"   {samples.name}: {total / GIB / samples.median:.2f} GiB/s (median)")
+        runs: list[SaveRun] = [timed_phase("ckptd async_save", lambda: bench_ckptd(state, bench_dir, args.repeats))]
+        if not args.skip_dcp:
+            runs.append(timed_phase("DCP async_save", lambda: bench_dcp(state, bench_dir, args.repeats)))
+        rows = build_rows(floors, runs)
+        print(f"\n== results: {total / GIB:.3f} GiB, {count} tensors; first save = 1, warm saves = {args.repeats}")
+        for run in runs:
+            if run.note:
+                print(f"{run.label}: {run.note}")
+        print(format_table(rows))
+        if args.json:
+            dump_json(
+                args.json,
+                {
+                    "command": shlex.join([sys.executable, *sys.argv]),
+                    "machine": machine,
+                    "state": {"bytes": total, "tensors": count, "vocab": VOCAB, "hidden": hidden, "layers": LAYERS},
+                    "floors": {k: asdict(v) for k, v in floors.items()},
+                    "runs": [asdict(r) for r in runs],
+                    "table": [
+                        {
+                            "what": r.what,
+                            "median": r.samples.median,
+                            "min": r.samples.low,
+                            "max": r.samples.high,
+                            "n": len(r.samples.values),
+                            "ratio": r.ratio,
+                            "vs": r.reference_label,
+                            "diff": r.delta,
+                        }
+                        for r in rows
+                    ],
+                },
+            )
+            print(f"wrote {args.json}")
+    finally:
+        shutil.rmtree(bench_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
