@@ -30,6 +30,7 @@ import shlex
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -111,8 +112,9 @@ def machine_info(bench_dir: str) -> dict[str, Any]:
             if line.startswith("model name"):
                 cpu_model = line.split(":", 1)[1].strip()
                 break
-    import ckptd
     import safetensors
+
+    import ckptd
 
     return {
         "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
@@ -122,11 +124,28 @@ def machine_info(bench_dir: str) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "safetensors": safetensors.__version__,
-        "ckptd": ckptd.__version__,
+        "ckptd": f"{ckptd.__version__} ({package_revision(os.path.dirname(ckptd.__file__))})",
         "torch_threads": torch.get_num_threads(),
         "bench_dir": bench_dir,
         "bench_fs": filesystem_of(bench_dir),
     }
+
+
+def package_revision(package_dir: str) -> str:
+    """``"git <short hash>[+local changes]"`` of a package's source tree, or ``"no git"``."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", package_dir, *args], capture_output=True, text=True, timeout=10)
+        if done.returncode != 0:
+            raise OSError(done.stderr.strip())
+        return done.stdout.strip()
+
+    try:
+        revision = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", ".")
+    except (OSError, subprocess.SubprocessError):
+        return "no git"
+    return f"git {revision}{'+local changes' if dirty else ''}"
 
 
 def filesystem_of(path: str) -> str:
@@ -251,7 +270,7 @@ def fsync_path(path: str) -> None:
 def bench_raw_write(state: State, bench_dir: str, repeats: int) -> Samples:
     """Seconds to stream the state's byte count to one file and fsync it."""
     buffer = contiguous_copy(state)
-    data = memoryview(buffer.numpy())
+    data = buffer.numpy().data
     path = os.path.join(bench_dir, "raw-write.bin")
     samples = Samples("raw write+fsync")
     for _ in range(repeats):
@@ -404,8 +423,8 @@ def bench_dcp(state: State, bench_dir: str, repeats: int) -> SaveRun:
     """DCP ``async_save`` (process mode, else thread mode) with a reused shared-memory stager."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     created_group = init_single_rank_group()
     mode = AsyncCheckpointerType.PROCESS
@@ -515,8 +534,13 @@ def format_table(rows: list[Row]) -> str:
         )
     widths = [max(len(header[i]), *(len(line[i]) for line in lines)) for i in range(len(header))]
 
+    left_aligned = {0, 6}  # "what" and "vs"; numbers are right-aligned
+
     def fmt(cells: list[str]) -> str:
-        padded = [c.ljust(w) if i in (0, 6) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        padded = [
+            cell.ljust(width) if i in left_aligned else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
+        ]
         return "| " + " | ".join(padded) + " |"
 
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"

@@ -205,10 +205,12 @@ class CheckpointReader:
             groups.setdefault(stored, [stored]).append(alias)
         return list(groups.values())
 
-    def state_trees(self, allow_missing: bool = True) -> dict[str, Any]:
+    def state_trees(self, verify: bool = False) -> dict[str, Any]:
         """The encoded non-tensor trees of every component (ckptd checkpoints only)."""
         if self.manifest is None or self.manifest.state_file is None:
             return {}
+        if verify:
+            self.verify([self.manifest.state_file])
         where = _safe_path(self.storage, self.directory, self.manifest.state_file, MANIFEST_NAME)
         return parse_state_file(self.storage.read_bytes(where), where)
 

@@ -105,7 +105,7 @@ def read_components(
     allow_pickle: bool = False,
 ) -> dict[str, Any]:
     """Every (or the named) component rebuilt as saved: nested state with tensors on ``device``."""
-    trees = reader.state_trees()
+    trees = reader.state_trees(verify=verify)
     names = list(components) if components is not None else list(dict.fromkeys([*reader.components(), *trees]))
     out: dict[str, Any] = {}
     for name in names:
@@ -134,7 +134,7 @@ def restore_components(
     allow_pickle: bool = False,
 ) -> None:
     """Restore each ``into[name]`` in place from the checkpoint's component ``name``."""
-    trees = reader.state_trees()
+    trees = reader.state_trees(verify=verify)
     known = {*trees, *reader.components()}
     absent = [name for name in into if name not in known]
     if absent:

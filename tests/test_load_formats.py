@@ -196,3 +196,15 @@ def test_load_converts_dtype_into_existing_module_and_supports_assign(checkpoint
     checkpointer.load(1, into={"model": assigned}, assign=True)
     assert assigned.weight.dtype == torch.bfloat16
     assert_same(state["weight"], assigned.weight.detach())
+
+
+def test_verify_also_checks_the_state_file(checkpointer):
+    result = checkpointer.save(1, {"model": {"w": torch.ones(2)}, "data": {"position": 12345}})
+    path = os.path.join(result.path, "state.json")
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write(text.replace("12345", "54321"))
+    assert checkpointer.load(1)["data"]["position"] == 54321
+    with pytest.raises(CorruptCheckpointError, match=r"state\.json.*CRC32C"):
+        checkpointer.load(1, verify=True)
