@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +34,7 @@ from .manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, Tens
 from .options import parse_size
 from .planner import WriteItem, bucket_items, describe_tensors, plan_file
 from .restore import create_sharing_metadata, load_into_module, retie_parameters
-from .storage import LocalStorage, check_file_name, local_path
+from .storage import Storage, check_file_name, is_local, local_path, storage_for
 
 __all__ = [
     "CheckpointMeta",
@@ -73,6 +72,13 @@ class CheckpointMeta:
     file_name: str
     is_index: bool
     safetensors: bool
+
+
+def _location(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> tuple[Storage, str]:
+    """The storage backend and normalised directory (or object prefix) for a path or URL."""
+    text = os.fspath(path)
+    storage = storage_for(text, storage_options)
+    return storage, (local_path(text) if is_local(text) else text.rstrip("/"))
 
 
 def index_file_name(safetensors: bool) -> str:
@@ -136,20 +142,19 @@ def make_shard_index(
 
 
 def save_shard_index(shard_index: ShardIndex, output_dir: str, index_name: str) -> None:
-    """Write a shard index atomically into ``output_dir``."""
-    directory = local_path(output_dir)
-    os.makedirs(directory, exist_ok=True)
-    _write_atomic(
-        os.path.join(directory, check_file_name(index_name, directory)), json.dumps(shard_index, indent=2).encode()
-    )
+    """Write a shard index into ``output_dir`` (atomically on local disk)."""
+    storage, directory = _location(output_dir)
+    storage.makedirs(directory)
+    path = storage.join(directory, check_file_name(index_name, directory))
+    storage.write_stream(path, [memoryview(json.dumps(shard_index, indent=2).encode())])
 
 
 def load_shard_index(output_dir: str, index_name: str) -> ShardIndex:
     """Read a shard index from ``output_dir``."""
-    path = os.path.join(local_path(output_dir), check_file_name(index_name, output_dir))
+    storage, directory = _location(output_dir)
+    path = storage.join(directory, check_file_name(index_name, directory))
     try:
-        with open(path, "rb") as f:
-            index = json.load(f)
+        index = json.loads(storage.read_bytes(path))
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(f"{path}: cannot read shard index ({e})") from e
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
@@ -164,20 +169,19 @@ def save_sharded_checkpoint(
     safetensors: bool = False,
     *,
     debug: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, FileRecord]:
     """Write the shard files of ``shard_index`` that hold keys of ``module``.
 
     Every file written must be complete: a file whose keys are only partly in ``module`` is an
     error.  Returns the size and CRC32C of each file written.
     """
-    directory = local_path(output_dir)
-    os.makedirs(directory, exist_ok=True)
+    storage, directory = _location(output_dir, storage_options)
+    storage.makedirs(directory)
     state = _state_of(module)
-    by_file: dict[str, list[str]] = {}
-    for key, file_name in shard_index["weight_map"].items():
-        by_file.setdefault(check_file_name(file_name, "shard index"), []).append(key)
     records: dict[str, FileRecord] = {}
-    for file_name, keys in by_file.items():
+    for file_name, keys in _group(shard_index["weight_map"]).items():
+        check_file_name(file_name, "shard index")
         present = [k for k in keys if k in state]
         if not present:
             continue
@@ -185,11 +189,11 @@ def save_sharded_checkpoint(
             absent = [k for k in keys if k not in state]
             raise KeyMismatchError(f"cannot write {file_name}: the state lacks {absent[:5]} of its keys")
         tensors = {k: state[k] for k in keys}
-        path = os.path.join(directory, file_name)
+        path = storage.join(directory, file_name)
         if safetensors:
-            records[file_name] = _write_safetensors(path, tensors)
+            records[file_name] = _write_safetensors(storage, path, tensors)
         else:
-            records[file_name] = _write_atomic(path, save_bin_bytes(tensors))
+            records[file_name] = _write_bytes(storage, path, save_bin_bytes(tensors))
     return records
 
 
@@ -203,16 +207,18 @@ def save_checkpoint(
     param_sharing_metadata: SharingMetadataT | None = None,
     *,
     debug: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
     """Save a module or a dict of tensors as an HF-compatible sharded checkpoint in ``output_dir``.
 
+    ``output_dir`` may be a local path or an fsspec URL (``storage_options`` go to fsspec).
     Writes the shards, the index (``metadata`` goes into the index's metadata), then
     ``checkpoint_manifest.json`` last.  Tied parameters are stored once and recorded
     (auto-detected for modules unless ``include_param_sharing=False``, in which case every key
     is stored as its own copy).  ``safetensors=False`` (the seed default) writes ``.bin`` shards.
     """
-    directory = local_path(output_dir)
-    os.makedirs(directory, exist_ok=True)
+    storage, directory = _location(output_dir, storage_options)
+    storage.makedirs(directory)
     state = _state_of(module)
     if param_sharing_metadata is not None:
         sharing = [list(g) for g in param_sharing_metadata]
@@ -221,13 +227,14 @@ def save_checkpoint(
     else:
         sharing = []
         state = _untie(state)
-    LocalStorage().remove(os.path.join(directory, MANIFEST_NAME))  # the old checkpoint stops being one
+    storage.remove(storage.join(directory, MANIFEST_NAME))  # the old checkpoint stops being one
     index = make_shard_index([state], metadata, safetensors, max_shard_size, sharing)
-    written = save_sharded_checkpoint(directory, index, state, safetensors)
+    written = save_sharded_checkpoint(directory, index, state, safetensors, storage_options=storage_options)
     index_name = index_file_name(safetensors)
-    index_bytes = json.dumps(index, indent=2).encode()
-    written[index_name] = _write_atomic(os.path.join(directory, index_name), index_bytes)
-    _remove_stale_shards(directory, set(written))
+    written[index_name] = _write_bytes(
+        storage, storage.join(directory, index_name), json.dumps(index, indent=2).encode()
+    )
+    _remove_stale_shards(storage, directory, set(written))
     tensors: dict[str, TensorRecord] = {}
     if safetensors:
         for file_name, keys in _group(index["weight_map"]).items():
@@ -246,7 +253,7 @@ def save_checkpoint(
         files=written,
         metadata=dict(metadata or {}),
     )
-    _write_atomic(os.path.join(directory, MANIFEST_NAME), manifest.to_json())
+    _write_bytes(storage, storage.join(directory, MANIFEST_NAME), manifest.to_json())
 
 
 def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -266,52 +273,42 @@ def _group(weight_map: Mapping[str, str]) -> dict[str, list[str]]:
     return grouped
 
 
-def _remove_stale_shards(directory: str, keep: set[str]) -> None:
-    for name in os.listdir(directory):
+def _remove_stale_shards(storage: Storage, directory: str, keep: set[str]) -> None:
+    for name in storage.list_names(directory):
         if _SHARD_RE.match(name) and name not in keep:
-            os.unlink(os.path.join(directory, name))
+            storage.remove(storage.join(directory, name))
 
 
-def _write_atomic(path: str, data: bytes) -> FileRecord:
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{secrets.token_hex(4)}")
-    storage = LocalStorage()
-    try:
-        storage.write_bytes(tmp, data)
-        os.replace(tmp, path)
-    except BaseException:
-        storage.remove(tmp)
-        raise
+def _write_bytes(storage: Storage, path: str, data: bytes) -> FileRecord:
+    """Write a whole file (atomically on local disk) and return its record."""
+    storage.write_stream(path, [memoryview(data)])
     return FileRecord(len(data), format_crc(crc32c(data)))
 
 
-def _write_safetensors(path: str, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
+def _write_safetensors(storage: Storage, path: str, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
     """Stream one safetensors file (header, then each tensor's bytes) and return its record."""
-    shard = plan_file("model", os.path.basename(path), describe_tensors("model", dict(tensors)))
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{secrets.token_hex(4)}")
-    storage = LocalStorage()
-    sink = storage.open_sink(tmp, fsync=True)
-    try:
-        value = crc32c(shard.header)
-        sink.write(memoryview(shard.header))
+    shard = plan_file("model", path.rsplit("/", 1)[-1], describe_tensors("model", dict(tensors)))
+    checksum = [crc32c(shard.header)]
+
+    def pieces() -> Iterator[memoryview]:
+        yield memoryview(shard.header)
         for item in shard.items:
             tensor = tensors[item.key].detach().to("cpu").contiguous()
             view = tensor_memoryview(tensor)
-            sink.write(view)
-            value = crc32c(view, value)
-        sink.finish()
-        os.replace(tmp, path)
-    except BaseException:
-        sink.abort()
-        raise
-    return FileRecord(shard.size, format_crc(value))
+            checksum[0] = crc32c(view, checksum[0])
+            yield view
+
+    storage.write_stream(path, pieces())
+    return FileRecord(shard.size, format_crc(checksum[0]))
 
 
 def save_sharded_model(model_shard: StateDictLike, out_path: str) -> None:
     """ModelOpt: write one safetensors file (e.g. ``<dir>/model.safetensors``) with every tensor."""
-    path = local_path(out_path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    storage, path = _location(out_path)
+    parent = path.rsplit("/", 1)[0] if not storage.local else os.path.dirname(path)
+    storage.makedirs(parent)
     state = _state_of(model_shard)
-    _write_safetensors(path, _drop_aliases(state, find_tied_groups(state)))
+    _write_safetensors(storage, path, _drop_aliases(state, find_tied_groups(state)))
 
 
 # ---- loading --------------------------------------------------------------------------------
@@ -324,14 +321,17 @@ def load_checkpoint(
     strict: bool = True,
     assign: bool = False,
     keys: set[str] | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: str | None = None,
 ) -> dict[str, torch.Tensor] | None:
-    """Load model weights from any supported format (auto-detected).
+    """Load model weights from any supported format (auto-detected), from a path or URL.
 
     With ``module``, loads into it in place (``strict``/``assign`` as in ``load_state_dict``) and
     re-ties tied parameters; returns None.  Without, returns ``{key: tensor}`` on ``device``,
     restricted to ``keys`` if given (only the shards holding them are opened).
     """
-    reader = CheckpointReader.open(model_dir)
+    reader = CheckpointReader.open(model_dir, storage_options, cache_dir=cache_dir)
     component = reader.default_component()
     if module is None:
         return reader.read(component, keys, device=device)
@@ -388,14 +388,15 @@ def is_in_safetensors_format(checkpoint_dir: str | os.PathLike[str]) -> bool:
 
 def get_checkpoint_metadata(path: str) -> CheckpointMeta | None:
     """Which file to load from ``path`` (index or single file) and whether it is safetensors."""
-    directory = local_path(path)
+    storage, directory = _location(path)
+    names = set(storage.list_names(directory))
     for name, is_index, is_safetensors in (
         (SAFETENSORS_INDEX, True, True),
         (SAFETENSORS_SINGLE, False, True),
         (TORCH_BIN_INDEX, True, False),
         (TORCH_BIN_SINGLE, False, False),
     ):
-        if os.path.isfile(os.path.join(directory, name)):
+        if name in names:
             return CheckpointMeta(name, is_index, is_safetensors)
     return None
 

@@ -8,6 +8,7 @@ the shards and finalizes the checkpoint.  Saves complete in the order they were 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import queue
@@ -21,7 +22,8 @@ from typing import Any
 import torch
 
 from .checksum import format_crc
-from .commit import ComponentInfo, finalize_checkpoint
+from .cleanup import Cleanup
+from .commit import ComponentInfo, claim_step, finalize_checkpoint
 from .errors import CheckpointExistsError, CheckpointNotFoundError, CkptdError, ConfigError
 from .flatten import FlatComponent, flatten_component
 from .loader import CheckpointReader
@@ -42,8 +44,8 @@ from .protocol import FileSpec, FilesWritten
 from .request import SaveRequest, SaveResult
 from .restore import read_components, restore_components
 from .staging import StagingArena, StagingPool
-from .storage import is_local, local_path, storage_for
-from .writer import WriterClient
+from .storage import in_process_only, is_local, local_path, storage_for
+from .writer import InProcessWriter, WriterClient
 
 __all__ = ["Checkpointer"]
 
@@ -99,6 +101,10 @@ class Checkpointer:
         write_threads: int | None = None,
         chunk_size: int | str | None = None,
         writer_nice: int = 0,
+        part_size: int | str | None = None,
+        part_concurrency: int | None = None,
+        retry_attempts: int | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         root = os.fspath(root)
         self.options = CheckpointerOptions.resolve(
@@ -110,13 +116,23 @@ class Checkpointer:
             keep_last=keep_last,
             allow_pickle=allow_pickle,
             storage_options=storage_options,
+            part_size=part_size,
+            part_concurrency=part_concurrency,
+            retry_attempts=retry_attempts,
+            cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
+            remote=not is_local(root),
         )
         self.root = local_path(root) if is_local(root) else root.rstrip("/")
-        self.storage = storage_for(self.root, self.options.storage_options)
-        self.storage.makedirs(self.root)
+        self.storage = storage_for(self.root, self.options.storage_options, self.options.tuning)
+        self.storage.check_access(self.root)
         if self.storage.local:
             collect_garbage(self.storage, self.root)
-        self._writer = WriterClient(start_timeout=self.options.writer_start_timeout, nice=writer_nice, label=self.root)
+        self._writer: WriterClient | InProcessWriter = (
+            InProcessWriter()
+            if in_process_only(self.root)
+            else WriterClient(start_timeout=self.options.writer_start_timeout, nice=writer_nice, label=self.root)
+        )
+        self._cleanup = Cleanup(self.storage)
         self._pool = StagingPool(self._writer, self.options.max_in_flight)
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._pending: list[SaveRequest] = []
@@ -278,6 +294,8 @@ class Checkpointer:
         timings = dict(job.timings)
         try:
             try:
+                if not storage.local:
+                    claim_step(storage, final, overwrite=job.overwrite)
                 storage.makedirs(staging)
                 write_started = time.perf_counter()
                 future = self._writer.write_files(
@@ -288,7 +306,8 @@ class Checkpointer:
                     fsync=self.options.fsync,
                     chunk_size=self.options.chunk_size,
                     threads=self.options.write_threads,
-                    abandon_directory=staging if storage.local else None,
+                    abandon_directory=staging,
+                    tuning=dataclasses.asdict(self.options.tuning),
                 )
                 written = future.result()
                 timings["write"] = time.perf_counter() - write_started
@@ -312,9 +331,12 @@ class Checkpointer:
                 overwrite=job.overwrite,
                 fsync=self.options.fsync,
             )
-        except BaseException:
+        except CheckpointExistsError:
             if staging != final:
                 storage.remove_tree(staging)
+            raise  # someone else committed this step: their objects stay
+        except BaseException:
+            self._cleanup.discard(staging)
             raise
         if self.options.keep_last is not None:
             apply_retention(storage, self.root, self.options.keep_last, protect={final})
@@ -338,6 +360,7 @@ class Checkpointer:
         assign: bool = False,
         verify: bool = False,
         allow_pickle: bool | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> Any:
         """Load a committed checkpoint (``"latest"``, a step, or a checkpoint path).
 
@@ -349,9 +372,16 @@ class Checkpointer:
           that hold them.
 
         File sizes are always checked; ``verify=True`` also checks CRC32C of the files read.
+        ``cache_dir`` (default: the Checkpointer's) keeps local copies of remote files read.
         """
         self._check_open()
-        reader = CheckpointReader.open(self._resolve(step), self.options.storage_options, require_manifest=True)
+        reader = CheckpointReader.open(
+            self._resolve(step),
+            self.options.storage_options,
+            require_manifest=True,
+            cache_dir=cache_dir if cache_dir is not None else self.options.cache_dir,
+            tuning=self.options.tuning,
+        )
         pickle_ok = self.options.allow_pickle if allow_pickle is None else allow_pickle
         if into is not None:
             restore_components(
@@ -426,6 +456,8 @@ class Checkpointer:
                 self._completer.join()
             self._writer.close()
             self._pool.close()
+            self._cleanup.drain(self.options.cleanup_timeout if wait else 0.0)
+            self._cleanup.close()
             atexit.unregister(self._atexit)
 
     def _check_open(self) -> None:

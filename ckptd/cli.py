@@ -83,12 +83,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
-def _cmd_ls(args: argparse.Namespace) -> int:
-    from .manager import list_checkpoints
+def _location(url: str, args: argparse.Namespace) -> tuple[object, str]:
     from .storage import is_local, local_path, storage_for
 
-    root = local_path(args.root) if is_local(args.root) else args.root
-    for info in list_checkpoints(storage_for(root), root):
+    root = local_path(url) if is_local(url) else url.rstrip("/")
+    return storage_for(root, args.storage_options), root
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from .manager import list_checkpoints
+
+    storage, root = _location(args.root, args)
+    for info in list_checkpoints(storage, root):  # type: ignore[arg-type]
         size = sum(f.size for f in info.manifest.files.values())
         print(f"{info.step:>10}  {info.created_utc}  {size / 2**20:10.1f} MiB  {info.path}")
     return 0
@@ -97,7 +103,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 def _cmd_info(args: argparse.Namespace) -> int:
     from .loader import CheckpointReader
 
-    reader = CheckpointReader.open(args.path)
+    reader = CheckpointReader.open(args.path, args.storage_options)
     print(f"format: {reader.kind}")
     if reader.manifest is not None:
         m = reader.manifest
@@ -116,7 +122,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from .loader import CheckpointReader
 
     try:
-        reader = CheckpointReader.open(args.path, require_manifest=True)
+        reader = CheckpointReader.open(args.path, args.storage_options, require_manifest=True)
         reader.verify()
     except (CkptdError, OSError) as e:
         print(f"FAILED: {e}", file=sys.stderr)
@@ -128,10 +134,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_gc(args: argparse.Namespace) -> int:
     from .manager import collect_garbage
-    from .storage import is_local, local_path, storage_for
 
-    root = local_path(args.root) if is_local(args.root) else args.root
-    removed = collect_garbage(storage_for(root), root, older_than=args.older_than)
+    storage, root = _location(args.root, args)
+    removed = collect_garbage(storage, root, older_than=args.older_than)  # type: ignore[arg-type]
     for path in removed:
         print(f"removed {path}")
     return 0
@@ -139,6 +144,13 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckptd", description="Asynchronous, crash-safe PyTorch checkpoints")
+    parser.add_argument(
+        "--storage-options",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help='fsspec options for URLs, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small model on CPU, async-saving every few steps")
     demo.add_argument("--dir", help="checkpoint root (default: a new temporary directory)")
@@ -157,11 +169,18 @@ def _parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="check sizes and CRC32C of every file of a checkpoint")
     verify.add_argument("path")
     verify.set_defaults(func=_cmd_verify)
-    gc = sub.add_parser("gc", help="remove staging directories left by crashed saves")
+    gc = sub.add_parser("gc", help="remove what crashed saves left (staging directories, unfinished prefixes)")
     gc.add_argument("root")
     gc.add_argument("--older-than", type=float, default=24 * 3600, help="seconds, for other hosts' leftovers")
     gc.set_defaults(func=_cmd_gc)
     return parser
+
+
+def _json_object(text: str) -> dict[str, object]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,32 @@ from .manifest import (
 )
 from .storage import Storage
 
-__all__ = ["ComponentInfo", "finalize_checkpoint", "publish", "write_small_file"]
+__all__ = ["CLAIM_NAME", "ComponentInfo", "claim_step", "finalize_checkpoint", "publish", "write_small_file"]
+
+
+CLAIM_NAME = ".ckptd-claim"
+
+
+def claim_step(storage: Storage, final_dir: str, *, overwrite: bool) -> None:
+    """Object stores: claim a checkpoint prefix before writing into it (create-only).
+
+    Shard objects are written under their final names, so a second writer of the same step
+    would overwrite the first one's shards.  The claim object makes the second writer fail with
+    :class:`CheckpointExistsError` before it writes a byte.  It stays with the checkpoint; a
+    failed save's clean-up removes it.  With ``overwrite``, the old checkpoint is unpublished
+    (manifest first) and its claim released before claiming again.
+    """
+    claim = storage.join(final_dir, CLAIM_NAME)
+    if overwrite:
+        storage.remove(storage.join(final_dir, MANIFEST_NAME))
+        storage.remove(claim)
+    body = f"{socket.gethostname()} {os.getpid()} {utc_now()}".encode()
+    try:
+        storage.write_bytes(claim, body, create_only=True)
+    except CheckpointExistsError as e:
+        raise CheckpointExistsError(
+            f"{final_dir} is being written or was written by another save; pass overwrite=True to replace it"
+        ) from e
 
 
 @dataclass(frozen=True)
@@ -109,7 +135,10 @@ def finalize_checkpoint(
         metadata=dict(metadata or {}),
         metrics=dict(metrics or {}),
     )
-    storage.write_bytes(storage.join(staging_dir, MANIFEST_NAME), manifest.to_json(), fsync=fsync)
+    create_only = not storage.local and not overwrite
+    storage.write_bytes(
+        storage.join(staging_dir, MANIFEST_NAME), manifest.to_json(), fsync=fsync, create_only=create_only
+    )
     publish(storage, staging_dir, final_dir, overwrite=overwrite)
     return manifest
 

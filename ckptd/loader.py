@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .cache import FileCache
 from .checksum import crc32c, format_crc
 from .errors import (
     CheckpointNotFoundError,
@@ -29,9 +30,9 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .formats.safetensors import SafetensorsHeader, dtype_from_name, parse_header
-from .formats.torch_bin import load_bin
+from .formats.torch_bin import load_bin, load_bin_bytes
 from .manifest import MANIFEST_NAME, Manifest, TensorRecord, parse_state_file
-from .storage import Storage, check_file_name, is_local, local_path, storage_for
+from .storage import RangeReader, Storage, StorageTuning, check_file_name, is_local, local_path, storage_for
 
 __all__ = [
     "CheckpointReader",
@@ -49,6 +50,7 @@ SAFETENSORS_SINGLE = "model.safetensors"
 TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
 TORCH_BIN_SINGLE = "pytorch_model.bin"
 _READ_THREADS = 4
+_HEADER_PREFETCH = 64 * 1024
 _VERIFY_CHUNK = 16 * 1024 * 1024
 
 
@@ -78,12 +80,19 @@ class CheckpointReader:
     """
 
     def __init__(
-        self, directory: str, storage: Storage, kind: str, sources: dict[str, _Source], manifest: Manifest | None
+        self,
+        directory: str,
+        storage: Storage,
+        kind: str,
+        sources: dict[str, _Source],
+        manifest: Manifest | None,
+        cache: FileCache | None = None,
     ) -> None:
         self.directory = directory
         self.storage = storage
         self.kind = kind
         self.manifest = manifest
+        self.cache = cache
         self._sources = sources
         self._headers: dict[str, SafetensorsHeader] = {}
         self._verified: set[str] = set()
@@ -92,47 +101,59 @@ class CheckpointReader:
 
     @classmethod
     def open(
-        cls, path: str, storage_options: dict[str, Any] | None = None, *, require_manifest: bool = False
+        cls,
+        path: str | os.PathLike[str],
+        storage_options: dict[str, Any] | None = None,
+        *,
+        require_manifest: bool = False,
+        cache_dir: str | os.PathLike[str] | None = None,
+        tuning: StorageTuning | None = None,
     ) -> CheckpointReader:
-        """Detect the format at ``path`` (a directory, URL, or a single shard file)."""
+        """Detect the format at ``path`` (a directory, URL, or a single shard file).
+
+        ``cache_dir`` (remote checkpoints): files read are downloaded whole into this local
+        directory once, checked against the manifest, and read from there afterwards.
+        """
         path = os.fspath(path)
-        storage = storage_for(path, storage_options)
+        storage = storage_for(path, storage_options, tuning)
         directory = local_path(path) if is_local(path) else path.rstrip("/")
-        if storage.local and os.path.isfile(directory) and not require_manifest:
-            return cls._single_file(directory, storage)
+        cache = FileCache(os.fspath(cache_dir), directory) if cache_dir is not None and not storage.local else None
+        if not require_manifest and _is_single_file(storage, directory):
+            parent, _, name = directory.rpartition("/" if not storage.local else os.sep)
+            return cls._single_file(storage, parent, name, cache)
         names = set(storage.list_names(directory))
         if not names and not storage.exists(directory):
             raise CheckpointNotFoundError(f"{directory}: no such checkpoint directory")
         if MANIFEST_NAME in names:
-            return cls._ckptd(directory, storage)
+            return cls._ckptd(directory, storage, cache)
         if require_manifest:
             raise CheckpointNotFoundError(
                 f"{directory} has no {MANIFEST_NAME}: it is not a committed ckptd checkpoint "
                 "(an interrupted save, or another format: use ckptd.load_checkpoint for HF checkpoints)"
             )
         if SAFETENSORS_INDEX in names:
-            return cls._indexed(directory, storage, SAFETENSORS_INDEX, "safetensors", "hf_sharded")
+            return cls._indexed(directory, storage, SAFETENSORS_INDEX, "safetensors", "hf_sharded", cache)
         if SAFETENSORS_SINGLE in names:
-            return cls._single_file(storage.join(directory, SAFETENSORS_SINGLE), storage, directory)
+            return cls._single_file(storage, directory, SAFETENSORS_SINGLE, cache)
         if TORCH_BIN_INDEX in names:
-            return cls._indexed(directory, storage, TORCH_BIN_INDEX, "torch_bin", "torch_bin_sharded")
+            return cls._indexed(directory, storage, TORCH_BIN_INDEX, "torch_bin", "torch_bin_sharded", cache)
         if TORCH_BIN_SINGLE in names:
-            return cls._single_file(storage.join(directory, TORCH_BIN_SINGLE), storage, directory)
+            return cls._single_file(storage, directory, TORCH_BIN_SINGLE, cache)
         raise CheckpointNotFoundError(
             f"{directory}: no checkpoint found (looked for {MANIFEST_NAME}, {SAFETENSORS_INDEX}, "
             f"{SAFETENSORS_SINGLE}, {TORCH_BIN_INDEX}, {TORCH_BIN_SINGLE})"
         )
 
     @classmethod
-    def _ckptd(cls, directory: str, storage: Storage) -> CheckpointReader:
+    def _ckptd(cls, directory: str, storage: Storage, cache: FileCache | None = None) -> CheckpointReader:
         where = storage.join(directory, MANIFEST_NAME)
         manifest = Manifest.from_json(storage.read_bytes(where), where)
+        present = storage.sizes(directory)
         for name, record in manifest.files.items():
             path = _safe_path(storage, directory, name, where)
-            try:
-                actual = storage.size(path)
-            except (FileNotFoundError, StorageError) as e:
-                raise CorruptCheckpointError(f"{path}: listed in the manifest but missing ({e})") from e
+            actual = present.get(name)
+            if actual is None:
+                raise CorruptCheckpointError(f"{path}: listed in the manifest but missing")
             if actual != record.size:
                 raise CorruptCheckpointError(
                     f"{path}: file is {actual} bytes but the manifest says {record.size} (truncated or replaced)"
@@ -146,29 +167,32 @@ class CheckpointReader:
             elif component.tensors:
                 weight_map = {key: record.file for key, record in component.tensors.items()}
                 sources[name] = _Source("safetensors", weight_map, dict(component.tensors), aliases)
-        return cls(directory, storage, "ckptd", sources, manifest)
+        return cls(directory, storage, "ckptd", sources, manifest, cache)
 
     @classmethod
-    def _indexed(cls, directory: str, storage: Storage, index_name: str, kind: str, label: str) -> CheckpointReader:
+    def _indexed(
+        cls, directory: str, storage: Storage, index_name: str, kind: str, label: str, cache: FileCache | None
+    ) -> CheckpointReader:
         weight_map, aliases = _read_index(storage, storage.join(directory, index_name))
-        return cls(directory, storage, label, {"model": _Source(kind, weight_map, None, aliases)}, None)
+        return cls(directory, storage, label, {"model": _Source(kind, weight_map, None, aliases)}, None, cache)
 
     @classmethod
-    def from_index(cls, directory: str, index: Mapping[str, Any], kind: str) -> CheckpointReader:
-        """A reader over a local directory driven by an already loaded HF index."""
+    def from_index(
+        cls, directory: str, index: Mapping[str, Any], kind: str, storage_options: dict[str, Any] | None = None
+    ) -> CheckpointReader:
+        """A reader over a directory (or URL) driven by an already loaded HF index."""
         weight_map, aliases = _parse_index(index, directory)
-        storage = storage_for(directory)
+        storage = storage_for(directory, storage_options)
+        directory = local_path(directory) if storage.local else directory.rstrip("/")
         label = "hf_sharded" if kind == "safetensors" else "torch_bin_sharded"
         return cls(directory, storage, label, {"model": _Source(kind, weight_map, None, aliases)}, None)
 
     @classmethod
-    def _single_file(cls, path: str, storage: Storage, directory: str | None = None) -> CheckpointReader:
-        directory = directory or os.path.dirname(path)
-        name = os.path.basename(path)
-        reader = cls(directory, storage, "", {}, None)
-        if name.endswith(".bin") or name.endswith(".pt"):
-            keys = load_bin(path).keys() if storage.local else []
+    def _single_file(cls, storage: Storage, directory: str, name: str, cache: FileCache | None) -> CheckpointReader:
+        reader = cls(directory, storage, "", {}, None, cache)
+        if name.endswith((".bin", ".pt")):
             reader.kind = "torch_bin"
+            keys = reader._load_bin(name).keys()
             reader._sources["model"] = _Source("torch_bin", dict.fromkeys(keys, name), None, {})
         else:
             header = reader._header(name)
@@ -222,19 +246,28 @@ class CheckpointReader:
                 f"{self.directory}: no component {component!r} (has {sorted(self._sources)})"
             ) from None
 
+    def _open(self, file_name: str) -> RangeReader:
+        """A range reader on a file of this checkpoint (through the local cache if configured)."""
+        path = _safe_path(self.storage, self.directory, file_name, self.directory)
+        if self.cache is not None:
+            record = self.manifest.files.get(file_name) if self.manifest is not None else None
+            return self.cache.open(self.storage, path, file_name, record)
+        return self.storage.open_reader(path)
+
     def _header(self, file_name: str) -> SafetensorsHeader:
         header = self._headers.get(file_name)
         if header is None:
-            path = _safe_path(self.storage, self.directory, file_name, self.directory)
-            reader = self.storage.open_reader(path)
+            path = self.storage.join(self.directory, file_name)
+            reader = self._open(file_name)
             try:
-                prefix = reader.read(0, 8) if reader.size >= 8 else b""
-                if len(prefix) != 8:
+                head = reader.read(0, min(reader.size, _HEADER_PREFETCH))
+                if len(head) < 8:
                     raise CorruptCheckpointError(f"{path}: file is too short to be safetensors ({reader.size} bytes)")
-                length = int.from_bytes(prefix, "little")
+                length = int.from_bytes(head[:8], "little")
                 if 8 + length > reader.size:
                     raise CorruptCheckpointError(f"{path}: safetensors header length {length} exceeds the file")
-                header = parse_header(prefix, reader.read(8, length), reader.size, path)
+                body = head[8 : 8 + length] if 8 + length <= len(head) else reader.read(8, length)
+                header = parse_header(head[:8], body, reader.size, path)
             finally:
                 reader.close()
             self._headers[file_name] = header
@@ -288,7 +321,7 @@ class CheckpointReader:
             return
         expected = self.manifest.files[name]
         path = _safe_path(self.storage, self.directory, name, MANIFEST_NAME)
-        reader = self.storage.open_reader(path)
+        reader = self._open(name)
         try:
             value = 0
             buffer = bytearray(min(_VERIFY_CHUNK, max(expected.size, 1)))
@@ -356,11 +389,16 @@ class CheckpointReader:
         out: dict[str, torch.Tensor] = {}
 
         def read_file(file_name: str) -> None:
-            path = _safe_path(self.storage, self.directory, file_name, self.directory)
-            reader = self.storage.open_reader(path)
+            path = self.storage.join(self.directory, file_name)
+            reader = self._open(file_name)
             try:
-                for key in sorted(by_file[file_name], key=lambda k: records[k].start):
-                    out[key] = _read_one(reader, path, key, records[key], targets.get(key))
+                plans = [_plan_read(reader, path, key, records[key], targets.get(key)) for key in by_file[file_name]]
+                try:
+                    reader.read_many([(p.record.start, tensor_memoryview(p.buffer)) for p in plans])
+                except StorageError as e:
+                    raise CorruptCheckpointError(f"{path}: cannot read tensors: {e}") from e
+                for plan in plans:
+                    out[plan.key] = plan.finish(path)
             finally:
                 reader.close()
 
@@ -373,15 +411,19 @@ class CheckpointReader:
                 read_file(file_name)
         return out
 
+    def _load_bin(self, file_name: str) -> dict[str, torch.Tensor]:
+        path = _safe_path(self.storage, self.directory, file_name, self.directory)
+        if self.storage.local:
+            return load_bin(path)
+        return load_bin_bytes(self.storage.read_bytes(path), path)
+
     def _read_bin(
         self, files: list[str], keys: set[str], targets: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        if not self.storage.local:
-            raise CorruptCheckpointError(f"{self.directory}: .bin checkpoints can only be read from local storage")
         out: dict[str, torch.Tensor] = {}
         for file_name in files:
-            path = _safe_path(self.storage, self.directory, file_name, self.directory)
-            for key, tensor in load_bin(path).items():
+            path = self.storage.join(self.directory, file_name)
+            for key, tensor in self._load_bin(file_name).items():
                 if key not in keys:
                     continue
                 target = targets.get(key)
@@ -421,7 +463,25 @@ def _parse_index(index: Any, where: str) -> tuple[dict[str, str], dict[str, str]
     return weight_map, aliases
 
 
-def _read_one(reader: Any, path: str, key: str, record: TensorRecord, target: torch.Tensor | None) -> torch.Tensor:
+@dataclass
+class _TensorRead:
+    """One tensor to read: the buffer bytes land in, and where they go afterwards."""
+
+    key: str
+    record: TensorRecord
+    buffer: torch.Tensor
+    target: torch.Tensor | None
+
+    def finish(self, path: str) -> torch.Tensor:
+        if self.target is not None and self.target is not self.buffer:
+            _copy_into(self.target, self.buffer, self.key, path)
+            return self.target
+        return self.buffer
+
+
+def _plan_read(
+    reader: RangeReader, path: str, key: str, record: TensorRecord, target: torch.Tensor | None
+) -> _TensorRead:
     dtype = dtype_from_name(record.dtype, f" for tensor {key!r} in {path}")
     if record.end > reader.size:
         raise CorruptCheckpointError(
@@ -434,25 +494,30 @@ def _read_one(reader: Any, path: str, key: str, record: TensorRecord, target: to
         and tuple(target.shape) == record.shape
         and target.is_contiguous()
     )
-    tensor = target if direct and target is not None else torch.empty(record.shape, dtype=dtype)
-    try:
-        reader.read_into(record.start, tensor_memoryview(tensor))
-    except StorageError as e:
-        raise CorruptCheckpointError(f"{path}: cannot read tensor {key!r}: {e}") from e
-    if target is not None and not direct:
-        _copy_into(target, tensor, key, path)
-        return target
-    return tensor
+    if target is not None:
+        _check_shape(target, record.shape, key, path)
+    buffer = target if direct and target is not None else torch.empty(record.shape, dtype=dtype)
+    return _TensorRead(key, record, buffer, target)
+
+
+def _check_shape(target: torch.Tensor, shape: tuple[int, ...], key: str, path: str) -> None:
+    if tuple(target.shape) != tuple(shape):
+        raise KeyMismatchError(
+            f"size mismatch for {key!r}: checkpoint {path} has shape {tuple(shape)}, "
+            f"the target has {tuple(target.shape)}"
+        )
 
 
 def _copy_into(target: torch.Tensor, source: torch.Tensor, key: str, path: str) -> None:
-    if tuple(target.shape) != tuple(source.shape):
-        raise KeyMismatchError(
-            f"size mismatch for {key!r}: checkpoint {path} has shape {tuple(source.shape)}, "
-            f"the target has {tuple(target.shape)}"
-        )
+    _check_shape(target, tuple(source.shape), key, path)
     with torch.no_grad():
         target.copy_(source)
+
+
+def _is_single_file(storage: Storage, path: str) -> bool:
+    if storage.local:
+        return os.path.isfile(path)
+    return path.endswith((".safetensors", ".bin")) and storage.exists(path)
 
 
 def _safe_path(storage: Storage, directory: str, name: str, where: str) -> str:

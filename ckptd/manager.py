@@ -14,6 +14,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from .errors import CorruptCheckpointError, StorageError
@@ -132,7 +133,14 @@ def apply_retention(storage: Storage, root: str, keep_last: int, protect: set[st
 
 
 def collect_garbage(storage: Storage, root: str, *, older_than: float = _STALE_SECONDS) -> list[str]:
-    """Remove staging directories whose process is gone (this host) or older than ``older_than`` s."""
+    """Remove what crashed saves left under ``root``.
+
+    Local: staging directories whose process is gone (this host) or older than ``older_than``
+    seconds (other hosts).  Object stores: ``checkpoint-<step>`` prefixes without a valid
+    manifest whose claim is older than ``older_than`` (their multipart uploads are aborted too).
+    """
+    if not storage.local:
+        return _collect_object_store_garbage(storage, root, older_than)
     removed = []
     host = socket.gethostname().replace("-", "_") or "host"
     for name in storage.list_names(root):
@@ -143,13 +151,37 @@ def collect_garbage(storage: Storage, root: str, *, older_than: float = _STALE_S
         stale = False
         if match.group("host") == host:
             stale = not _pid_alive(int(match.group("pid")))
-        elif storage.local:
+        else:
             try:
                 stale = time.time() - os.stat(path).st_mtime > older_than
             except OSError:
                 stale = False
         if stale:
             storage.remove_tree(path)
+            removed.append(path)
+    return removed
+
+
+def _collect_object_store_garbage(storage: Storage, root: str, older_than: float) -> list[str]:
+    from .commit import CLAIM_NAME
+
+    removed = []
+    for name in storage.list_names(root):
+        if parse_step(name) is None:
+            continue
+        path = storage.join(root, name)
+        if read_manifest(storage, path) is not None:
+            continue
+        try:
+            claimed = storage.read_bytes(storage.join(path, CLAIM_NAME)).decode().rsplit(" ", 1)[-1]
+            age = (
+                time.time()
+                - datetime.strptime(claimed, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+            )
+        except (FileNotFoundError, ValueError, UnicodeDecodeError):
+            age = float("inf")  # no readable claim: not a save in progress
+        if age > older_than:
+            storage.discard(path)
             removed.append(path)
     return removed
 
@@ -167,23 +199,26 @@ def _pid_alive(pid: int) -> bool:
 # ---- Forgather-compatible helpers (a model directory with a ``checkpoints/`` folder) -----------
 
 
-def _checkpoints_root(model_dir: str) -> str:
-    sub = os.path.join(model_dir, "checkpoints")
-    return sub if os.path.isdir(sub) else model_dir
+def _checkpoints_root(model_dir: str) -> tuple[Storage, str]:
+    root = local_path(model_dir) if is_local(model_dir) else model_dir.rstrip("/")
+    storage = storage_for(root)
+    sub = storage.join(root, "checkpoints")
+    return storage, (sub if "checkpoints" in storage.list_names(root) else root)
 
 
 def find_latest_checkpoint(model_dir: str) -> str | None:
     """Path of the newest committed checkpoint in ``model_dir/checkpoints`` (or ``model_dir``)."""
-    root = local_path(model_dir) if is_local(model_dir) else model_dir
-    storage = storage_for(root)
-    info = latest_checkpoint(storage, _checkpoints_root(root) if storage.local else root)
+    storage, root = _checkpoints_root(model_dir)
+    info = latest_checkpoint(storage, root)
     return info.path if info else None
 
 
 def next_checkpoint_path(model_dir: str, checkpoint_id: int | str) -> str:
     """``model_dir/checkpoints/checkpoint-<id>``: where the next checkpoint goes."""
     name = checkpoint_dir_name(checkpoint_id) if isinstance(checkpoint_id, int) else f"checkpoint-{checkpoint_id}"
-    return os.path.join(model_dir, "checkpoints", name)
+    if is_local(model_dir):
+        return os.path.join(model_dir, "checkpoints", name)
+    return f"{model_dir.rstrip('/')}/checkpoints/{name}"
 
 
 def maybe_delete_oldest_checkpoint(
@@ -193,29 +228,26 @@ def maybe_delete_oldest_checkpoint(
     preserved_checkpoints: list[str] | None = None,
 ) -> None:
     """Delete the oldest checkpoints beyond ``max_checkpoints``, keeping the best and preserved ones."""
-    root = _checkpoints_root(local_path(model_dir))
-    protect = {os.path.abspath(p) for p in [best_checkpoint, *(preserved_checkpoints or [])] if p}
-    apply_retention(storage_for(root), root, max_checkpoints, protect)
+    storage, root = _checkpoints_root(model_dir)
+    keep = [p for p in [best_checkpoint, *(preserved_checkpoints or [])] if p]
+    protect = {local_path(p) if storage.local else p.rstrip("/") for p in keep}
+    apply_retention(storage, root, max_checkpoints, protect)
 
 
 def save_checkpoint_metrics(checkpoint_path: str, metrics: dict[str, float]) -> None:
-    """Write ``metrics.json`` beside a checkpoint (atomically)."""
-    path = local_path(checkpoint_path)
-    tmp = os.path.join(path, f".{METRICS_NAME}.{secrets.token_hex(4)}")
-    with open(tmp, "w") as f:
-        json.dump(metrics, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, METRICS_NAME))
+    """Write ``metrics.json`` beside a checkpoint (atomically on local disk)."""
+    path = local_path(checkpoint_path) if is_local(checkpoint_path) else checkpoint_path.rstrip("/")
+    storage = storage_for(path)
+    storage.write_stream(storage.join(path, METRICS_NAME), [memoryview(json.dumps(metrics).encode())])
 
 
 def load_checkpoint_metrics(checkpoint_path: str) -> dict[str, Any] | None:
     """Metrics saved with :func:`save_checkpoint_metrics`, else those recorded in the manifest."""
-    path = local_path(checkpoint_path)
+    path = local_path(checkpoint_path) if is_local(checkpoint_path) else checkpoint_path.rstrip("/")
+    storage = storage_for(path)
     try:
-        with open(os.path.join(path, METRICS_NAME)) as f:
-            return dict(json.load(f))
+        return dict(json.loads(storage.read_bytes(storage.join(path, METRICS_NAME))))
     except FileNotFoundError:
         pass
-    manifest = read_manifest(storage_for(path), path)
+    manifest = read_manifest(storage, path)
     return dict(manifest.metrics) if manifest is not None and manifest.metrics else None

@@ -12,6 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .storage.base import (
+    DEFAULT_PART_CONCURRENCY,
+    DEFAULT_PART_SIZE,
+    DEFAULT_RETRY_ATTEMPTS,
+    MIN_PART_SIZE,
+    StorageTuning,
+)
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -27,6 +34,8 @@ DEFAULT_CHUNK_SIZE = 16 * 1024**2
 DEFAULT_MAX_IN_FLIGHT = 1
 DEFAULT_WRITER_START_TIMEOUT = 60.0
 DEFAULT_WRITE_THREADS = 1
+DEFAULT_REMOTE_WRITE_THREADS = 4
+DEFAULT_CLEANUP_TIMEOUT = 60.0
 
 _SIZE_UNITS = {
     "": 1,
@@ -87,6 +96,9 @@ class CheckpointerOptions:
     being written (``CKPTD_MAX_IN_FLIGHT``); beyond it ``async_save`` waits (back-pressure).
     ``write_threads``: files the writer writes at once (``CKPTD_WRITE_THREADS``).
     ``writer_start_timeout``: seconds to wait for the writer's handshake.
+    ``tuning``: object-store part size (``CKPTD_PART_SIZE``), parts in flight per file
+    (``CKPTD_PART_CONCURRENCY``) and attempts per request (``CKPTD_RETRY_ATTEMPTS``).
+    ``cache_dir``: local directory caching files of remote checkpoints read by ``load``.
     """
 
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
@@ -98,6 +110,9 @@ class CheckpointerOptions:
     keep_last: int | None = None
     allow_pickle: bool = False
     storage_options: dict[str, Any] = field(default_factory=dict)
+    tuning: StorageTuning = field(default_factory=StorageTuning)
+    cache_dir: str | None = None
+    cleanup_timeout: float = DEFAULT_CLEANUP_TIMEOUT
 
     @classmethod
     def resolve(
@@ -112,14 +127,36 @@ class CheckpointerOptions:
         keep_last: int | None = None,
         allow_pickle: bool = False,
         storage_options: dict[str, Any] | None = None,
+        part_size: int | str | None = None,
+        part_concurrency: int | None = None,
+        retry_attempts: int | None = None,
+        cache_dir: str | None = None,
+        remote: bool = False,
     ) -> CheckpointerOptions:
         """Combine explicit arguments (which win), ``CKPTD_*`` variables and defaults."""
         resolved_in_flight = (
             max_in_flight if max_in_flight is not None else _env_int("CKPTD_MAX_IN_FLIGHT", DEFAULT_MAX_IN_FLIGHT)
         )
         resolved_threads = (
-            write_threads if write_threads is not None else _env_int("CKPTD_WRITE_THREADS", DEFAULT_WRITE_THREADS)
+            write_threads
+            if write_threads is not None
+            else _env_int("CKPTD_WRITE_THREADS", DEFAULT_REMOTE_WRITE_THREADS if remote else DEFAULT_WRITE_THREADS)
         )
+        tuning = StorageTuning(
+            part_size=parse_size(part_size, "part_size")
+            if part_size is not None
+            else _env_int("CKPTD_PART_SIZE", DEFAULT_PART_SIZE),
+            part_concurrency=part_concurrency
+            if part_concurrency is not None
+            else _env_int("CKPTD_PART_CONCURRENCY", DEFAULT_PART_CONCURRENCY),
+            retry_attempts=retry_attempts
+            if retry_attempts is not None
+            else _env_int("CKPTD_RETRY_ATTEMPTS", DEFAULT_RETRY_ATTEMPTS),
+        )
+        if tuning.part_size < MIN_PART_SIZE:
+            raise ConfigError(f"part_size must be at least 5 MiB (the S3 minimum), got {tuning.part_size}")
+        if tuning.part_concurrency < 1 or tuning.retry_attempts < 1:
+            raise ConfigError("part_concurrency and retry_attempts must be >= 1")
         if resolved_in_flight < 1:
             raise ConfigError(f"max_in_flight must be >= 1, got {resolved_in_flight}")
         if resolved_threads < 1:
@@ -142,4 +179,7 @@ class CheckpointerOptions:
             keep_last=keep_last,
             allow_pickle=allow_pickle,
             storage_options=dict(storage_options or {}),
+            tuning=tuning,
+            cache_dir=cache_dir,
+            cleanup_timeout=_env_float("CKPTD_CLEANUP_TIMEOUT", DEFAULT_CLEANUP_TIMEOUT),
         )

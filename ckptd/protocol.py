@@ -116,6 +116,7 @@ class WriteFiles(Message):
     chunk_size: int = 16 * 1024 * 1024
     threads: int = 1
     abandon_directory: str | None = None
+    tuning: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 from .formats.safetensors import dtype_from_name
 from .planner import SavePlan
 from .shm import SharedSegment
-from .writer import WriterClient
+from .writer import InProcessWriter, WriterClient
 
 __all__ = ["StagingArena", "StagingPool"]
 
@@ -111,7 +111,7 @@ def _unpin(base: torch.Tensor) -> None:
 class StagingPool:
     """Up to ``max_in_flight`` arenas shared with one writer; hands out a free one per save."""
 
-    def __init__(self, writer: WriterClient, max_in_flight: int) -> None:
+    def __init__(self, writer: WriterClient | InProcessWriter, max_in_flight: int) -> None:
         self.writer = writer
         self.max_in_flight = max_in_flight
         self._arenas: list[StagingArena] = []

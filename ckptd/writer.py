@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO
 
 from . import protocol
@@ -37,8 +37,9 @@ from .protocol import (
     WriteFiles,
 )
 from .shm import SharedSegment
+from .streaming import write_files
 
-__all__ = ["WriterClient", "describe_exit"]
+__all__ = ["InProcessWriter", "WriterClient", "describe_exit"]
 
 logger = logging.getLogger(__name__)
 
@@ -353,3 +354,67 @@ def _failure_error(message: Failed) -> Exception:
 def _raise_if_failed(response: Message) -> None:
     if isinstance(response, Failed):
         raise _failure_error(response)
+
+
+class InProcessWriter:
+    """The writer as a thread of the trainer process, for filesystems that exist only in this
+    process (``memory://``).  Same interface as :class:`WriterClient`."""
+
+    def __init__(self) -> None:
+        self._arenas: dict[int, SharedSegment] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-inprocess-writer")
+        self._checksums = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptd-crc")
+        self._busy = False
+        self._bytes_written = 0
+        self._stop = threading.Event()
+        self.restarts = 0
+        self.info = Hello(os.getpid(), protocol.PROTOCOL_VERSION, "", "torch" in sys.modules)
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
+
+    def alive(self) -> bool:
+        return not self._stop.is_set()
+
+    def ensure_running(self) -> None:
+        if self._stop.is_set():
+            raise WriterError("the in-process writer is closed")
+
+    def attach_arena(self, arena_id: int, segment: SharedSegment) -> None:
+        self._arenas[arena_id] = segment
+
+    def detach_arena(self, arena_id: int) -> None:
+        self._arenas.pop(arena_id, None)
+
+    def write_files(self, **fields: object) -> Future[Message]:
+        self.ensure_running()
+        request = WriteFiles(request_id=0, **fields)  # type: ignore[arg-type]
+        return self._pool.submit(self._write, request)
+
+    def _write(self, request: WriteFiles) -> Message:
+        segment = self._arenas[request.arena_id]
+        view = segment.view()
+        self._busy = True
+        try:
+            return write_files(
+                request, view, checksums=self._checksums, should_stop=self._stop.is_set, on_progress=self._count
+            )
+        finally:
+            self._busy = False
+            view.release()
+
+    def _count(self, written: int) -> None:
+        self._bytes_written += written
+
+    def ping(self, timeout: float = 10.0) -> Pong:
+        return Pong(0, self._busy, self._bytes_written)
+
+    def close(self, timeout: float = 30.0) -> None:
+        self._pool.shutdown(wait=True)
+        self._stop.set()
+        self._checksums.shutdown(wait=False)
+        self._arenas.clear()
+
+    def kill(self) -> None:
+        self._stop.set()

@@ -21,12 +21,10 @@ import signal
 import socket
 import sys
 import threading
-import time
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from ._version import __version__
-from .checksum import crc32c_of_view
 from .errors import StorageError
 from .protocol import (
     PROTOCOL_VERSION,
@@ -35,8 +33,6 @@ from .protocol import (
     ChannelClosed,
     DetachArena,
     Failed,
-    FileResult,
-    FileSpec,
     FilesWritten,
     Hello,
     Ok,
@@ -46,7 +42,8 @@ from .protocol import (
     WriteFiles,
 )
 from .shm import SharedSegment
-from .storage import Storage, storage_for
+from .storage import Stopped, storage_for
+from .streaming import write_files
 
 __all__ = ["main"]
 
@@ -116,7 +113,7 @@ class _Writer:
         else:
             for fd in fds:
                 os.close(fd)
-            logger.warning("ckptd writer: ignoring unexpected message %r", message)
+            logger.warning("ckptd writer: ignoring unexpected %s message", type(message).__name__)
 
     def _abandon(self) -> None:
         self.abandon.set()
@@ -125,7 +122,7 @@ class _Writer:
         request = self.current
         if request is not None and request.abandon_directory:
             try:
-                storage_for(request.abandon_directory, request.storage_options).remove_tree(request.abandon_directory)
+                storage_for(request.abandon_directory, request.storage_options).discard(request.abandon_directory)
             except Exception:  # noqa: BLE001 - best effort on the way out
                 logger.warning("ckptd writer: could not remove %s", request.abandon_directory)
 
@@ -156,41 +153,25 @@ class _Writer:
                 return
 
     def _write(self, request: WriteFiles) -> FilesWritten:
-        started = time.perf_counter()
         segment = self.arenas.get(request.arena_id)
         if segment is None:
             raise RuntimeError(f"arena {request.arena_id} is not attached to the writer")
-        storage = storage_for(request.directory, request.storage_options)
         view = segment.view()
         try:
-            if request.threads > 1 and len(request.files) > 1:
-                with ThreadPoolExecutor(request.threads, thread_name_prefix="ckptd-file") as pool:
-                    futures = [pool.submit(self._write_file, storage, request, spec, view) for spec in request.files]
-                    results = [f.result() for f in futures]
-            else:
-                results = [self._write_file(storage, request, spec, view) for spec in request.files]
+            return write_files(
+                request,
+                view,
+                checksums=self.checksums,
+                should_stop=self.abandon.is_set,
+                on_progress=self._count,
+            )
+        except Stopped as e:
+            raise _Abandoned() from e
         finally:
             view.release()
-        return FilesWritten(request.request_id, results, time.perf_counter() - started)
 
-    def _write_file(self, storage: Storage, request: WriteFiles, spec: FileSpec, arena: memoryview) -> FileResult:
-        started = time.perf_counter()
-        data = arena[spec.arena_offset : spec.arena_offset + spec.size]
-        checksum: Future[int] = self.checksums.submit(crc32c_of_view, data)
-        sink = storage.open_sink(storage.join(request.directory, spec.name), fsync=request.fsync)
-        try:
-            for start in range(0, spec.size, request.chunk_size):
-                if self.abandon.is_set():
-                    raise _Abandoned()
-                chunk = data[start : start + request.chunk_size]
-                sink.write(chunk)
-                self.bytes_written += len(chunk)
-            sink.finish()
-        except BaseException:
-            sink.abort()
-            checksum.cancel()
-            raise
-        return FileResult(spec.name, spec.size, checksum.result(), time.perf_counter() - started)
+    def _count(self, written: int) -> None:
+        self.bytes_written += written
 
 
 def _failure(request_id: int, error: BaseException) -> Failed:

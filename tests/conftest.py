@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -143,3 +145,120 @@ def trained() -> tuple[TinyLM, torch.optim.Optimizer, Any]:
     train_steps(model, optimizer)
     scheduler.step()
     return model, optimizer, scheduler
+
+
+# ---- object storage: a real S3-compatible server (moto) and a GCS emulator on loopback ----------
+
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # the emulator has no gRPC control API
+
+
+class S3Place:
+    """A fresh bucket on the loopback S3 server, reached directly or through a proxy."""
+
+    def __init__(self, endpoint: str, bucket: str, client: Any) -> None:
+        self.endpoint = endpoint
+        self.bucket = bucket
+        self.client = client  # boto3, straight to the server (never through a proxy)
+
+    def url(self, prefix: str = "run") -> str:
+        return f"s3://{self.bucket}/{prefix}"
+
+    def options(self, endpoint: str | None = None) -> dict[str, Any]:
+        return {"endpoint_url": endpoint or self.endpoint, "key": "testing", "secret": "testing"}
+
+    def keys(self, prefix: str = "") -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+        return sorted(obj["Key"] for page in pages for obj in page.get("Contents", []))
+
+    def uploads(self) -> list[dict[str, Any]]:
+        return list(self.client.list_multipart_uploads(Bucket=self.bucket).get("Uploads", []))
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """A real S3-compatible HTTP server (moto's ThreadedMotoServer) on 127.0.0.1."""
+    server_module = pytest.importorskip("moto.server")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        os.environ.setdefault(name, "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(moto_endpoint: str) -> S3Place:
+    """A new, empty bucket."""
+    boto3 = pytest.importorskip("boto3")
+    client = boto3.client(
+        "s3",
+        endpoint_url=moto_endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    bucket = f"ckptd-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    return S3Place(moto_endpoint, bucket, client)
+
+
+@pytest.fixture
+def proxy(moto_endpoint: str) -> Iterator[Any]:
+    """A fault-injecting, byte-counting HTTP proxy in front of the S3 server."""
+    from faultproxy import FaultProxy
+
+    host, port = moto_endpoint.removeprefix("http://").split(":")
+    fault_proxy = FaultProxy(host, int(port)).start()
+    try:
+        yield fault_proxy
+    finally:
+        fault_proxy.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint(tmp_path_factory: Any) -> Iterator[str]:
+    """A GCS emulator (the gcp-storage-emulator package) on 127.0.0.1 with a bucket ``ckptd``."""
+    pytest.importorskip("gcp_storage_emulator")
+    pytest.importorskip("gcsfs")
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = open(tmp_path_factory.mktemp("gcs") / "emulator.log", "wb")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gcp_storage_emulator",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--in-memory",
+            "--default-bucket",
+            "ckptd",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+
+        def listening() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_for(listening, timeout=30)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.kill()
+        process.wait()
+        log.close()

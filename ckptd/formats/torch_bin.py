@@ -15,7 +15,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["load_bin", "save_bin_bytes"]
+__all__ = ["load_bin", "load_bin_bytes", "save_bin_bytes"]
 
 
 def save_bin_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
@@ -27,8 +27,17 @@ def save_bin_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
 
 def load_bin(path: str) -> dict[str, torch.Tensor]:
     """Load a local ``.bin`` shard with ``weights_only=True`` (memory-mapped when possible)."""
+    return _load(path, path, mmap=os.path.getsize(path) > 0)
+
+
+def load_bin_bytes(data: bytes, where: str) -> dict[str, torch.Tensor]:
+    """Load a ``.bin`` shard fetched into memory, with ``weights_only=True``."""
+    return _load(io.BytesIO(data), where, mmap=False)
+
+
+def _load(source: str | io.BytesIO, path: str, *, mmap: bool) -> dict[str, torch.Tensor]:
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=os.path.getsize(path) > 0)
+        loaded = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(
             f"{path}: holds objects that weights_only loading refuses; ckptd never unpickles .bin files ({e})"

@@ -1,0 +1,56 @@
+"""The storage seam: local POSIX paths directly, everything else through fsspec.
+
+:func:`storage_for` picks the backend from a path or URL.  This package imports nothing heavy
+(fsspec and its plugins only when a URL needs them): the writer process uses it too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import (
+    RangeReader,
+    Stopped,
+    Storage,
+    StorageTuning,
+    check_file_name,
+    is_local,
+    local_path,
+    storage_error,
+)
+from .local import LocalStorage
+
+__all__ = [
+    "LocalStorage",
+    "RangeReader",
+    "Stopped",
+    "Storage",
+    "StorageTuning",
+    "check_file_name",
+    "in_process_only",
+    "is_local",
+    "local_path",
+    "storage_error",
+    "storage_for",
+]
+
+
+def in_process_only(url: str) -> bool:
+    """True for filesystems that exist only inside one process (``memory://``)."""
+    return url.startswith("memory://")
+
+
+def storage_for(
+    url: str, storage_options: dict[str, Any] | None = None, tuning: StorageTuning | None = None
+) -> Storage:
+    """The backend for ``url``: local for paths and ``file://``, S3 for ``s3://``, else fsspec."""
+    if is_local(url):
+        return LocalStorage()
+    protocol = url.split("://", 1)[0]
+    if protocol in ("s3", "s3a"):
+        from .s3 import S3Storage
+
+        return S3Storage(url, storage_options, tuning)
+    from .remote import FsspecStorage
+
+    return FsspecStorage(url, storage_options, tuning)

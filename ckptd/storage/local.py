@@ -1,0 +1,228 @@
+"""Local POSIX storage: fsync on write, atomic rename on publish, ``pread`` straight into memory."""
+
+from __future__ import annotations
+
+import errno as errno_codes
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Iterable, Sequence
+
+from ..errors import CheckpointExistsError, StorageError
+from .base import Stopped, storage_error
+
+__all__ = ["LocalStorage"]
+
+
+class _Reader:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            self.size = os.fstat(self.fd).st_size
+        except OSError as e:
+            raise storage_error("open", path, e) from e
+
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        buffer = buffer.cast("B") if buffer.format != "B" else buffer
+        try:
+            while buffer:
+                got = os.preadv(self.fd, [buffer], offset)
+                if got == 0:
+                    raise StorageError(errno_codes.EIO, f"unexpected end of file in {self.path} at byte {offset}")
+                buffer = buffer[got:]
+                offset += got
+        except StorageError:
+            raise
+        except OSError as e:
+            raise storage_error("read", self.path, e) from e
+
+    def read_many(self, requests: Sequence[tuple[int, memoryview]]) -> None:
+        for offset, buffer in requests:
+            self.read_into(offset, buffer)
+
+    def read(self, offset: int, length: int) -> bytes:
+        out = bytearray(length)
+        self.read_into(offset, memoryview(out))
+        return bytes(out)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+class LocalStorage:
+    """Local files (plain paths and ``file://``)."""
+
+    local = True
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def check_access(self, path: str) -> None:
+        self.makedirs(path)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise StorageError(errno_codes.EACCES, f"cannot write checkpoints into {path}: permission denied")
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def list_names(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as e:
+            raise storage_error("list", path, e) from e
+
+    def sizes(self, path: str) -> dict[str, int]:
+        out = {}
+        try:
+            with os.scandir(path) as entries:
+                for entry in entries:
+                    if entry.is_file():
+                        out[entry.name] = entry.stat().st_size
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            raise storage_error("list", path, e) from e
+        return out
+
+    def makedirs(self, path: str) -> None:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise storage_error("create directory", path, e) from e
+
+    def write_view(
+        self,
+        path: str,
+        view: memoryview,
+        *,
+        fsync: bool,
+        chunk_size: int,
+        should_stop: Callable[[], bool],
+        on_progress: Callable[[int], None],
+    ) -> None:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise storage_error("create", path, e) from e
+        try:
+            for start in range(0, len(view), chunk_size):
+                if should_stop():
+                    raise Stopped(path)
+                chunk = view[start : start + chunk_size]
+                _write_all(fd, chunk)
+                on_progress(len(chunk))
+            if fsync:
+                os.fsync(fd)
+        except BaseException as e:
+            os.close(fd)
+            self.remove(path)
+            if isinstance(e, OSError) and not isinstance(e, StorageError):
+                raise storage_error("write", path, e) from e
+            raise
+        os.close(fd)
+
+    def open_reader(self, path: str) -> _Reader:
+        return _Reader(path)
+
+    def write_bytes(self, path: str, data: bytes, *, fsync: bool = True, create_only: bool = False) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_EXCL if create_only else os.O_TRUNC)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except FileExistsError as e:
+            raise CheckpointExistsError(f"{path} already exists") from e
+        except OSError as e:
+            raise storage_error("create", path, e) from e
+        try:
+            _write_all(fd, memoryview(data))
+            if fsync:
+                os.fsync(fd)
+        except OSError as e:
+            os.close(fd)
+            self.remove(path)
+            raise storage_error("write", path, e) from e
+        os.close(fd)
+
+    def write_stream(self, path: str, pieces: Iterable[memoryview]) -> int:
+        """Write ``pieces`` to a temporary file, fsync, and rename it to ``path`` (atomic)."""
+        tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{secrets.token_hex(4)}")
+        total = 0
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                for piece in pieces:
+                    _write_all(fd, piece)
+                    total += len(piece)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as e:
+            self.remove(tmp)
+            raise storage_error("write", path, e) from e
+        except BaseException:
+            self.remove(tmp)
+            raise
+        return total
+
+    def read_bytes(self, path: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise storage_error("read", path, e) from e
+
+    def size(self, path: str) -> int:
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise storage_error("stat", path, e) from e
+
+    def remove(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise storage_error("remove", path, e) from e
+
+    def remove_tree(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+    def discard(self, path: str) -> None:
+        self.remove_tree(path)
+
+    def fsync_directory(self, path: str) -> None:
+        """Make a directory's entries durable (after creating or renaming files in it)."""
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            raise storage_error("fsync directory", path, e) from e
+        finally:
+            os.close(fd)
+
+    def publish_directory(self, staging: str, final: str) -> None:
+        """fsync ``staging``, rename it to ``final`` and fsync the parent: the local commit point."""
+        self.fsync_directory(staging)
+        try:
+            os.rename(staging, final)
+        except OSError as e:
+            if e.errno in (errno_codes.ENOTEMPTY, errno_codes.EEXIST, errno_codes.EISDIR):
+                raise CheckpointExistsError(f"checkpoint {final} already exists") from e
+            raise storage_error("rename to", final, e) from e
+        self.fsync_directory(os.path.dirname(final) or ".")

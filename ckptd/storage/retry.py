@@ -1,0 +1,131 @@
+"""Retrying object-store requests: which errors are transient, and exponential backoff with jitter.
+
+Transient: HTTP 408/429/500/502/503/504, ``SlowDown``/``RequestTimeout``/``InternalError``-style
+codes, resets, refused or dropped connections and timeouts.  Everything else (403, 404, bad
+request, bad credentials) is permanent and fails at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno as errno_codes
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from .base import StorageTuning
+
+__all__ = ["error_code", "http_status", "is_transient", "retry_async"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "InternalError",
+    "ServiceUnavailable",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "BadDigest",
+    "XAmzContentSHA256Mismatch",
+    "IncompleteBody",
+}
+_TRANSIENT_ERRNOS = {
+    errno_codes.ECONNRESET,
+    errno_codes.ECONNREFUSED,
+    errno_codes.ECONNABORTED,
+    errno_codes.EPIPE,
+    errno_codes.ETIMEDOUT,
+    errno_codes.EHOSTUNREACH,
+    errno_codes.ENETUNREACH,
+}
+_TRANSIENT_NAMES = {
+    # botocore / aiohttp / urllib3 exception class names (matched by name: those packages are optional)
+    "EndpointConnectionError",
+    "ConnectionClosedError",
+    "ReadTimeoutError",
+    "ConnectTimeoutError",
+    "HTTPClientError",
+    "ResponseStreamingError",
+    "IncompleteReadError",
+    "ServerDisconnectedError",
+    "ClientOSError",
+    "ClientConnectorError",
+    "ClientPayloadError",
+    "ServerTimeoutError",
+    "ProtocolError",
+    "ResponseParserError",
+    "FSTimeoutError",
+    "IncompleteRead",
+}
+
+
+def http_status(error: BaseException) -> int | None:
+    """The HTTP status of a botocore ``ClientError`` (or anything with a similar ``response``)."""
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(status, int):
+            return status
+    code = getattr(error, "code", None) or getattr(error, "status", None)
+    return code if isinstance(code, int) else None
+
+
+def error_code(error: BaseException) -> str | None:
+    """The service error code (``SlowDown``, ``NoSuchBucket``...) of a botocore ``ClientError``."""
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        return str(code) if code is not None else None
+    return None
+
+
+def is_transient(error: BaseException) -> bool:
+    """True if retrying the same request may succeed."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (asyncio.TimeoutError, TimeoutError, ConnectionError)):
+            return True
+        if isinstance(current, OSError) and current.errno in _TRANSIENT_ERRNOS:
+            return True
+        if any(cls.__name__ in _TRANSIENT_NAMES for cls in type(current).__mro__):
+            return True
+        status = http_status(current)
+        if status in _TRANSIENT_STATUS or error_code(current) in _TRANSIENT_CODES:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+async def retry_async(
+    call: Callable[[], Awaitable[T]],
+    what: str,
+    tuning: StorageTuning,
+    *,
+    on_retry: Callable[[BaseException], Any] | None = None,
+) -> T:
+    """Await ``call()`` until it succeeds, retrying transient errors with capped exponential
+    backoff and full jitter; the last error (or the first permanent one) propagates."""
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await call()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if attempt >= tuning.retry_attempts or not is_transient(e):
+                raise
+            delay = random.uniform(0, min(tuning.retry_max_delay, tuning.retry_base_delay * 2 ** (attempt - 1)))
+            logger.debug("retrying %s after %s (attempt %d, sleeping %.2fs)", what, type(e).__name__, attempt, delay)
+            if on_retry is not None:
+                on_retry(e)
+            await asyncio.sleep(delay)

@@ -1,0 +1,283 @@
+"""S3 (and S3-compatible stores) through s3fs's client, with ckptd's own upload path.
+
+* A shard is streamed straight from the staging arena as a multipart upload: parts of
+  ``StorageTuning.part_size_for(size)`` bytes, ``part_concurrency`` of them in flight, each retried
+  on its own; a failed or abandoned upload is aborted.
+* The manifest is written with ``If-None-Match: *`` (create-only) so two writers cannot both
+  commit the same step.
+* ``discard`` aborts every unfinished multipart upload under a prefix and deletes its objects.
+* Retries are ckptd's (see :mod:`ckptd.storage.retry`): botocore's own retries are switched off
+  unless the caller configured them, so one policy bounds every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno as errno_codes
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from ..errors import CheckpointExistsError, StorageError
+from .base import Stopped
+from .remote import FsspecStorage
+from .retry import error_code, http_status, is_transient, retry_async
+
+__all__ = ["S3Storage", "s3_error"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_POOL_CONNECTIONS = 64
+
+
+def s3_error(action: str, url: str, error: BaseException, attempts: int | None = None) -> Exception:
+    """A ckptd error for a failed S3 request, naming the object and the cause."""
+    status = http_status(error)
+    code = error_code(error) or ""
+    if status == 403 or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        result = StorageError(
+            errno_codes.EACCES, f"cannot {action} {url}: access denied ({code or status}); check the credentials"
+        )
+    elif code == "NoSuchBucket" or (status == 404 and action in ("access",)):
+        result = StorageError(errno_codes.ENOENT, f"cannot {action} {url}: the bucket does not exist")
+    elif status == 404 or code in ("NoSuchKey", "NotFound"):
+        missing = FileNotFoundError(errno_codes.ENOENT, f"cannot {action} {url}: no such object")
+        missing.filename = url
+        return missing
+    else:
+        tried = f" after {attempts} attempts" if attempts and is_transient(error) else ""
+        cause = f"{code} (HTTP {status})" if code or status else f"{type(error).__name__}: {error}"
+        result = StorageError(errno_codes.EIO, f"cannot {action} {url}{tried}: {cause}")
+    result.filename = url
+    return result
+
+
+class S3Storage(FsspecStorage):
+    """``s3://bucket/prefix`` storage."""
+
+    def _make_filesystem(self, options: dict[str, Any]) -> Any:
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("max_pool_connections", _POOL_CONNECTIONS)
+        if "retries" not in config:
+            config["retries"] = {"total_max_attempts": 1}
+        options["config_kwargs"] = config
+        return super()._make_filesystem(options)
+
+    # ---- plumbing --------------------------------------------------------------------------
+
+    def _split(self, path: str) -> tuple[str, str]:
+        bucket, _, key = self._strip(path).partition("/")
+        return bucket, key
+
+    def _url(self, path: str) -> str:
+        return f"s3://{self._strip(path)}"
+
+    def _run(self, coroutine: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, coroutine, *args, **kwargs)
+
+    async def _client(self) -> Any:
+        await self.fs.set_session()
+        return self.fs.s3
+
+    async def _call(self, what: str, url: str, method: str, **kwargs: Any) -> Any:
+        client = await self._client()
+        attempts = 0
+
+        async def attempt() -> Any:
+            nonlocal attempts
+            attempts += 1
+            return await getattr(client, method)(**kwargs)
+
+        try:
+            return await retry_async(attempt, f"{what} {url}", self.tuning)
+        except (Stopped, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            raise s3_error(what, url, e, attempts) from e
+
+    # ---- checks ----------------------------------------------------------------------------
+
+    def check_access(self, path: str) -> None:
+        bucket, _ = self._split(path)
+        self._run(self._call, "access", f"s3://{bucket}", "head_bucket", Bucket=bucket)
+
+    # ---- writing ---------------------------------------------------------------------------
+
+    def write_view(
+        self,
+        path: str,
+        view: memoryview,
+        *,
+        fsync: bool,
+        chunk_size: int,
+        should_stop: Callable[[], bool],
+        on_progress: Callable[[int], None],
+    ) -> None:
+        self._run(self._upload, path, view, should_stop, on_progress)
+
+    async def _upload(
+        self, path: str, view: memoryview, should_stop: Callable[[], bool], on_progress: Callable[[int], None]
+    ) -> None:
+        bucket, key = self._split(path)
+        url = self._url(path)
+        size = len(view)
+        part_size = self.tuning.part_size_for(size)
+        if size <= part_size:
+            if should_stop():
+                raise Stopped(path)
+            await self._call("upload", url, "put_object", Bucket=bucket, Key=key, Body=bytes(view))
+            on_progress(size)
+            return
+        created = await self._call("start upload of", url, "create_multipart_upload", Bucket=bucket, Key=key)
+        upload_id = created["UploadId"]
+        limit = asyncio.Semaphore(self.tuning.part_concurrency)
+
+        async def upload_part(number: int, start: int) -> dict[str, Any]:
+            async with limit:
+                if should_stop():
+                    raise Stopped(path)
+                body = bytes(view[start : start + part_size])
+                answer = await self._call(
+                    f"upload part {number} of",
+                    url,
+                    "upload_part",
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=body,
+                )
+                on_progress(len(body))
+                return {"PartNumber": number, "ETag": answer["ETag"]}
+
+        tasks = [asyncio.ensure_future(upload_part(n, s)) for n, s in enumerate(range(0, size, part_size), start=1)]
+        try:
+            parts = await asyncio.gather(*tasks)
+            await self._complete(bucket, key, upload_id, parts, size, url)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._abort(bucket, key, upload_id, url)
+            raise
+
+    async def _complete(
+        self, bucket: str, key: str, upload_id: str, parts: list[dict[str, Any]], size: int, url: str
+    ) -> None:
+        try:
+            await self._call(
+                "complete upload of",
+                url,
+                "complete_multipart_upload",
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except FileNotFoundError:
+            # A retried completion whose first try succeeded finds no upload: accept it if the
+            # object is there with the right size.
+            client = await self._client()
+            head = await client.head_object(Bucket=bucket, Key=key)
+            if int(head.get("ContentLength", -1)) != size:
+                raise
+
+    async def _abort(self, bucket: str, key: str, upload_id: str, url: str) -> None:
+        try:
+            await self._call(
+                "abort upload of", url, "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id
+            )
+        except FileNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001 - the failed save's discard() retries it
+            logger.warning("could not abort the multipart upload of %s yet: %s", url, e)
+
+    def write_bytes(self, path: str, data: bytes, *, fsync: bool = True, create_only: bool = False) -> None:
+        bucket, key = self._split(path)
+        condition = {"IfNoneMatch": "*"} if create_only else {}
+        try:
+            self._run(
+                self._call, "write", self._url(path), "put_object", Bucket=bucket, Key=key, Body=data, **condition
+            )
+        except StorageError as e:
+            cause = e.__cause__
+            if cause is not None and (
+                http_status(cause) == 412 or error_code(cause) in ("PreconditionFailed", "ConditionalRequestConflict")
+            ):
+                raise CheckpointExistsError(f"{self._url(path)} already exists (committed by another writer)") from e
+            if cause is not None and create_only and http_status(cause) == 501:
+                logger.warning("this S3 store has no create-only writes; writing %s unconditionally", self._url(path))
+                self.write_bytes(path, data)
+                return
+            raise
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def fetch_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        return self._run(self._fetch_ranges, path, list(ranges))
+
+    async def _fetch_ranges(self, path: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        bucket, key = self._split(path)
+        url = self._url(path)
+        limit = asyncio.Semaphore(self.tuning.part_concurrency)
+        client = await self._client()
+
+        async def fetch(start: int, end: int) -> bytes:
+            async def attempt() -> bytes:
+                answer = await client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
+                async with answer["Body"] as body:
+                    return bytes(await body.read())
+
+            async with limit:
+                try:
+                    return await retry_async(attempt, f"read {url}", self.tuning)
+                except Exception as e:
+                    raise s3_error(f"read bytes {start}-{end} of", url, e, self.tuning.retry_attempts) from e
+
+        return list(await asyncio.gather(*(fetch(s, e) for s, e in ranges if e > s)))
+
+    def read_bytes(self, path: str) -> bytes:
+        size = self.size(path)
+        return self.fetch_ranges(path, [(0, size)])[0] if size else b""
+
+    # ---- cleaning up -----------------------------------------------------------------------
+
+    def discard(self, path: str) -> None:
+        """Abort every unfinished multipart upload under ``path`` and delete its objects."""
+        self._run(self._abort_uploads, path)
+        self.remove_tree(path)
+
+    async def _abort_uploads(self, path: str) -> None:
+        bucket, key = self._split(path)
+        prefix = key.rstrip("/") + "/"
+        url = self._url(path)
+        for upload in await self._list_uploads(bucket, prefix, url):
+            await self._call(
+                "abort upload of",
+                f"s3://{bucket}/{upload['Key']}",
+                "abort_multipart_upload",
+                Bucket=bucket,
+                Key=upload["Key"],
+                UploadId=upload["UploadId"],
+            )
+
+    async def _list_uploads(self, bucket: str, prefix: str, url: str) -> list[dict[str, Any]]:
+        uploads: list[dict[str, Any]] = []
+        marker: dict[str, str] = {}
+        while True:
+            page = await self._call(
+                "list uploads under", url, "list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marker
+            )
+            uploads.extend(page.get("Uploads") or [])
+            if not page.get("IsTruncated"):
+                return uploads
+            marker = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+
+    def list_uploads(self, path: str) -> list[dict[str, Any]]:
+        """Unfinished multipart uploads under ``path`` (for tests and ``ckptd gc``)."""
+        bucket, key = self._split(path)
+        return self._run(self._list_uploads, bucket, key.rstrip("/") + "/" if key else "", self._url(path))

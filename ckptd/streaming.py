@@ -1,0 +1,78 @@
+"""Stream shard files from a staging arena into storage, checksumming as they go.
+
+Shared by the writer process and the in-process writer (for ``memory://``).  Torch-free.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+
+from .checksum import crc32c_of_view
+from .protocol import FileResult, FileSpec, FilesWritten, WriteFiles
+from .storage import Storage, StorageTuning, storage_for
+
+__all__ = ["write_files"]
+
+
+def write_files(
+    request: WriteFiles,
+    arena: memoryview,
+    *,
+    checksums: Executor,
+    should_stop: Callable[[], bool],
+    on_progress: Callable[[int], None],
+) -> FilesWritten:
+    """Write every file of ``request`` from ``arena``; raises on the first failure.
+
+    Each file's CRC32C is computed on another thread while the file is written (the arena does
+    not change meanwhile).  ``request.threads`` files are written at once.  When
+    ``should_stop()`` turns true the current files are removed and
+    :class:`~ckptd.storage.Stopped` is raised.
+    """
+    started = time.perf_counter()
+    storage = storage_for(request.directory, request.storage_options, StorageTuning(**request.tuning))
+
+    def write_one(spec: FileSpec) -> FileResult:
+        return _write_file(storage, request, spec, arena, checksums, should_stop, on_progress)
+
+    if request.threads > 1 and len(request.files) > 1:
+        with ThreadPoolExecutor(min(request.threads, len(request.files)), thread_name_prefix="ckptd-file") as pool:
+            futures = [pool.submit(write_one, spec) for spec in request.files]
+            try:
+                results = [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    else:
+        results = [write_one(spec) for spec in request.files]
+    return FilesWritten(request.request_id, results, time.perf_counter() - started)
+
+
+def _write_file(
+    storage: Storage,
+    request: WriteFiles,
+    spec: FileSpec,
+    arena: memoryview,
+    checksums: Executor,
+    should_stop: Callable[[], bool],
+    on_progress: Callable[[int], None],
+) -> FileResult:
+    started = time.perf_counter()
+    data = arena[spec.arena_offset : spec.arena_offset + spec.size]
+    checksum: Future[int] = checksums.submit(crc32c_of_view, data)
+    try:
+        storage.write_view(
+            storage.join(request.directory, spec.name),
+            data,
+            fsync=request.fsync,
+            chunk_size=request.chunk_size,
+            should_stop=should_stop,
+            on_progress=on_progress,
+        )
+    except BaseException:
+        checksum.cancel()
+        raise
+    return FileResult(spec.name, spec.size, checksum.result(), time.perf_counter() - started)
