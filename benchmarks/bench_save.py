@@ -268,10 +268,17 @@ def fsync_path(path: str) -> None:
 
 
 def bench_raw_write(state: State, bench_dir: str, repeats: int) -> Samples:
-    """Seconds to stream the state's byte count to one file and fsync it."""
+    """Seconds to stream the state's byte count to one file and fsync it.
+
+    One untimed write comes first, like the copy floor's warm-up: the first large write of a
+    process is much slower on some machines (fresh page-cache pages), which would flatter
+    every save measured later against this floor.
+    """
     buffer = contiguous_copy(state)
     data = buffer.numpy().data
     path = os.path.join(bench_dir, "raw-write.bin")
+    write_and_fsync(path, data)
+    os.remove(path)
     samples = Samples("raw write+fsync")
     for _ in range(repeats):
         started = time.perf_counter()
