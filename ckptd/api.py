@@ -241,7 +241,7 @@ def save_checkpoint(
             shard = plan_file("model", file_name, describe_tensors("model", {k: state[k] for k in keys}))
             for i, item in enumerate(shard.items):
                 start = shard.item_file_offset(i)
-                tensors[item.key] = TensorRecord(item.dtype, item.shape, file_name, start, start + item.nbytes)
+                tensors[item.key] = TensorRecord.whole(item.dtype, item.shape, file_name, start, start + item.nbytes)
     manifest = Manifest(
         step=None,
         created_utc=utc_now(),

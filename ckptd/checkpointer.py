@@ -8,7 +8,6 @@ the shards and finalizes the checkpoint.  Saves complete in the order they were 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
 import queue
@@ -16,54 +15,34 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .checksum import format_crc
 from .cleanup import Cleanup
-from .commit import ComponentInfo, claim_step, finalize_checkpoint
-from .errors import CheckpointExistsError, CheckpointNotFoundError, CkptdError, ConfigError
-from .flatten import FlatComponent, flatten_component
+from .dist import DistContext
+from .errors import CheckpointNotFoundError, CkptdError, ConfigError
 from .loader import CheckpointReader
 from .manager import (
     CheckpointInfo,
-    apply_retention,
     checkpoint_dir_name,
     collect_garbage,
     latest_checkpoint,
     list_checkpoints,
     read_manifest,
-    staging_dir_name,
 )
-from .manifest import MANIFEST_NAME, FileRecord, Manifest, tensor_records_from_plan
+from .manifest import Manifest
 from .options import CheckpointerOptions
-from .planner import SavePlan, describe_tensors, layout_signature, plan_save
-from .protocol import FileSpec, FilesWritten
 from .request import SaveRequest, SaveResult
 from .restore import read_components, restore_components
-from .staging import StagingArena, StagingPool
+from .saving import SaveJob, Saver
+from .staging import StagingPool
 from .storage import in_process_only, is_local, local_path, storage_for
 from .writer import InProcessWriter, WriterClient
 
 __all__ = ["Checkpointer"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Job:
-    request: SaveRequest
-    arena: StagingArena
-    plan: SavePlan
-    components: tuple[FlatComponent, ...]
-    trees: dict[str, Any]
-    metadata: dict[str, Any]
-    metrics: dict[str, Any]
-    overwrite: bool
-    timings: dict[str, float]
-    started: float
 
 
 class Checkpointer:
@@ -105,6 +84,9 @@ class Checkpointer:
         part_concurrency: int | None = None,
         retry_attempts: int | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        process_group: Any = None,
+        coordinator_rank: int = 0,
+        dist_timeout: float = 600.0,
     ) -> None:
         root = os.fspath(root)
         self.options = CheckpointerOptions.resolve(
@@ -133,13 +115,22 @@ class Checkpointer:
             else WriterClient(start_timeout=self.options.writer_start_timeout, nice=writer_nice, label=self.root)
         )
         self._cleanup = Cleanup(self.storage)
+        self._dist = DistContext.detect(process_group, coordinator_rank, dist_timeout)
         self._pool = StagingPool(self._writer, self.options.max_in_flight)
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._saver = Saver(
+            root=self.root,
+            storage=self.storage,
+            options=self.options,
+            writer=self._writer,
+            pool=self._pool,
+            cleanup=self._cleanup,
+            dist=self._dist,
+        )
+        self._jobs: queue.Queue[SaveJob | None] = queue.Queue()
         self._pending: list[SaveRequest] = []
         self._pending_lock = threading.Lock()
         self._save_lock = threading.Lock()
         self._closed = False
-        self._plan: SavePlan | None = None
         self._completer = threading.Thread(target=self._complete_jobs, name="ckptd-commit", daemon=True)
         self._completer.start()
         threading.Thread(target=self._start_writer, name="ckptd-writer-start", daemon=True).start()
@@ -196,6 +187,7 @@ class Checkpointer:
         metrics: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         allow_pickle: bool | None = None,
+        sharing: Mapping[str, Any] | None = None,
     ) -> SaveRequest:
         """Snapshot ``state`` and return at once; the writer process persists it in the background.
 
@@ -204,63 +196,41 @@ class Checkpointer:
         mutate or free its tensors.  If ``max_in_flight`` saves are still being written, this
         waits for one to finish first (back-pressure; reported as ``timings["wait"]``).
 
+        Under torch.distributed every rank calls it (it runs one collective to plan).  Plain
+        tensors are treated as replicated and written once; DTensors and
+        :class:`~ckptd.ShardedTensor` pieces are written by their main replicas.  ``sharing``
+        overrides that per component: ``{"rng": "per_rank", "scheduler": "global"}`` (see
+        :class:`~ckptd.Sharing`).
+
         Raises before anything is written if the state holds values that cannot be stored
-        (:class:`~ckptd.errors.UnsupportedValueError`) or the checkpoint already exists.
+        (:class:`~ckptd.errors.UnsupportedValueError`), the sharding is invalid
+        (:class:`~ckptd.errors.ShardingError`) or the checkpoint already exists.
         """
         started = time.perf_counter()
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
-        if not isinstance(state, Mapping) or not state:
-            raise ConfigError("state must be a non-empty mapping of component names to state")
-        final = self.path_for(step)
-        if not overwrite and self.storage.exists(self.storage.join(final, MANIFEST_NAME)):
-            raise CheckpointExistsError(f"checkpoint {final} already exists; pass overwrite=True to replace it")
         pickle_ok = self.options.allow_pickle if allow_pickle is None else allow_pickle
         with self._save_lock:
-            components = tuple(flatten_component(name, value, allow_pickle=pickle_ok) for name, value in state.items())
-            plan = self._plan_for(components)
-            planned = time.perf_counter()
-            arena, waited = self._pool.acquire(plan)
-            staged_at = time.perf_counter()
-            try:
-                arena.stage({c.name: c.tensors for c in components})
-            except BaseException:
-                self._pool.release(arena)
-                raise
-            done = time.perf_counter()
-        request = SaveRequest(step, final)
-        request.timings.update(plan=planned - started, wait=waited, stage=done - staged_at, blocking=done - started)
-        request.staged.set()
-        with self._pending_lock:
-            self._pending.append(request)
-        self._jobs.put(
-            _Job(
-                request=request,
-                arena=arena,
-                plan=plan,
-                components=components,
-                trees={c.name: c.tree for c in components},
-                metadata=dict(metadata or {}),
-                metrics=dict(metrics or {}),
+            job = self._saver.start(
+                step,
+                state,
+                self.path_for(step),
+                sharing=sharing,
+                allow_pickle=pickle_ok,
                 overwrite=overwrite,
-                timings=dict(request.timings),
+                metadata=metadata,
+                metrics=metrics,
                 started=started,
             )
-        )
-        return request
+        with self._pending_lock:
+            self._pending.append(job.request)
+        self._jobs.put(job)
+        return job.request
 
     def save(self, step: int, state: Mapping[str, Any], **kwargs: Any) -> SaveResult:
         """Save and wait for the commit; same arguments as :meth:`async_save`."""
         return self.async_save(step, state, **kwargs).result()
-
-    def _plan_for(self, components: tuple[FlatComponent, ...]) -> SavePlan:
-        described = [(c.name, describe_tensors(c.name, c.tensors)) for c in components]
-        plan = self._plan
-        if plan is not None and plan.signature == layout_signature(described, self.options.max_shard_size):
-            return plan
-        self._plan = plan_save(described, self.options.max_shard_size)
-        return self._plan
 
     def _start_writer(self) -> None:
         try:
@@ -276,7 +246,7 @@ class Checkpointer:
             if job is None:
                 return
             try:
-                result = self._complete(job)
+                result = self._saver.complete(job)
             except BaseException as e:  # noqa: BLE001 - stored in the request, raised by wait()
                 logger.error("ckptd: save of step %s to %s failed: %s", job.request.step, job.request.path, e)
                 job.request._set_exception(e)
@@ -286,65 +256,6 @@ class Checkpointer:
                 with self._pending_lock:
                     if job.request in self._pending:
                         self._pending.remove(job.request)
-
-    def _complete(self, job: _Job) -> SaveResult:
-        storage = self.storage
-        final = job.request.path
-        staging = storage.join(self.root, staging_dir_name(job.request.step or 0)) if storage.local else final
-        timings = dict(job.timings)
-        try:
-            try:
-                if not storage.local:
-                    claim_step(storage, final, overwrite=job.overwrite)
-                storage.makedirs(staging)
-                write_started = time.perf_counter()
-                future = self._writer.write_files(
-                    arena_id=job.arena.arena_id,
-                    directory=staging,
-                    files=[FileSpec(s.file_name, s.arena_offset, s.size) for s in job.plan.shards],
-                    storage_options=self.options.storage_options,
-                    fsync=self.options.fsync,
-                    chunk_size=self.options.chunk_size,
-                    threads=self.options.write_threads,
-                    abandon_directory=staging,
-                    tuning=dataclasses.asdict(self.options.tuning),
-                )
-                written = future.result()
-                timings["write"] = time.perf_counter() - write_started
-            finally:
-                self._pool.release(job.arena)
-            if not isinstance(written, FilesWritten):
-                raise CkptdError(f"unexpected writer answer {written!r}")
-            manifest = finalize_checkpoint(
-                storage,
-                staging,
-                final,
-                step=job.request.step,
-                written={r.name: FileRecord(r.size, format_crc(r.crc32c)) for r in written.results},
-                expected_sizes={s.file_name: s.size for s in job.plan.shards},
-                tensors=tensor_records_from_plan(job.plan.shards),
-                components=[ComponentInfo(c.name, "safetensors", c.tied) for c in job.components],
-                trees=job.trees,
-                metadata=job.metadata,
-                metrics=job.metrics,
-                timings=timings,
-                overwrite=job.overwrite,
-                fsync=self.options.fsync,
-            )
-        except CheckpointExistsError:
-            if staging != final:
-                storage.remove_tree(staging)
-            raise  # someone else committed this step: their objects stay
-        except BaseException:
-            self._cleanup.discard(staging)
-            raise
-        if self.options.keep_last is not None:
-            apply_retention(storage, self.root, self.options.keep_last, protect={final})
-        total = time.perf_counter() - job.started
-        job.request.timings.update(manifest.timings, total=total)
-        return SaveResult(
-            job.request.step, final, sum(f.size for f in manifest.files.values()), dict(job.request.timings)
-        )
 
     # ---- loading ---------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import crc32c as _crc32c
 
 Buffer = bytes | bytearray | memoryview
 
-__all__ = ["CHECKSUM_CHUNK", "crc32c", "crc32c_of_view", "format_crc"]
+__all__ = ["CHECKSUM_CHUNK", "crc32c", "crc32c_combine", "crc32c_of_view", "format_crc"]
 
 CHECKSUM_CHUNK = 64 * 1024 * 1024
 
@@ -31,3 +31,48 @@ def crc32c_of_view(view: memoryview, chunk: int = CHECKSUM_CHUNK) -> int:
 def format_crc(value: int) -> str:
     """Eight lowercase hex digits, the form used in manifests and messages."""
     return f"{value:08x}"
+
+
+_POLY = 0x82F63B78  # CRC32C, reflected
+
+
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    total = 0
+    row = 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[row]
+        vector >>= 1
+        row += 1
+    return total
+
+
+def _gf2_square(matrix: list[int]) -> list[int]:
+    return [_gf2_times(matrix, matrix[n]) for n in range(32)]
+
+
+def crc32c_combine(crc_a: int, crc_b: int, length_b: int) -> int:
+    """CRC32C of ``A + B`` from CRC32C(A), CRC32C(B) and ``len(B)``, without the data.
+
+    Lets ranks that wrote different parts of one shared file checksum only their own bytes.
+    (The GF(2) matrix method of zlib's ``crc32_combine``, with the Castagnoli polynomial.)
+    """
+    if length_b <= 0:
+        return crc_a
+    odd = [_POLY] + [1 << n for n in range(31)]  # the operator for one zero bit
+    even = _gf2_square(odd)  # two zero bits
+    odd = _gf2_square(even)  # four zero bits
+    while True:
+        even = _gf2_square(odd)  # apply len2 zeros (first pass: one byte)
+        if length_b & 1:
+            crc_a = _gf2_times(even, crc_a)
+        length_b >>= 1
+        if not length_b:
+            break
+        odd = _gf2_square(even)
+        if length_b & 1:
+            crc_a = _gf2_times(odd, crc_a)
+        length_b >>= 1
+        if not length_b:
+            break
+    return crc_a ^ crc_b

@@ -69,6 +69,7 @@ class ComponentInfo:
     kind: str
     tied: list[list[str]]
     index_metadata: dict[str, Any] | None = None
+    sharing: str = "replicated"
 
 
 def write_small_file(
@@ -111,12 +112,12 @@ def finalize_checkpoint(
         index_name = None
         if component_tensors:
             index_name = hf_index_name(info.name, info.kind)
-            weight_map = {key: t.file for key, t in component_tensors.items()}
+            weight_map = {key: t.file for key, t in component_tensors.items() if t.is_whole}
             total = sum(t.nbytes for t in component_tensors.values())
             extra = dict(info.index_metadata or {})
             write_small_file(storage, staging_dir, index_name, hf_index(weight_map, total, extra), files, fsync)
         kind = info.kind if component_tensors else "state"
-        records[info.name] = ComponentRecord(kind, component_tensors, index_name, info.tied)
+        records[info.name] = ComponentRecord(kind, component_tensors, index_name, info.tied, info.sharing)
     state_file = None
     if trees is not None:
         state_file = STATE_NAME

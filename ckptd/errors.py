@@ -13,7 +13,9 @@ __all__ = [
     "CkptdError",
     "ConfigError",
     "CorruptCheckpointError",
+    "DistributedSaveError",
     "KeyMismatchError",
+    "ShardingError",
     "StorageError",
     "UnsafeCheckpointError",
     "UnsupportedValueError",
@@ -54,6 +56,18 @@ class KeyMismatchError(CkptdError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep messages readable.
         return str(self.args[0]) if self.args else ""
+
+
+class ShardingError(CkptdError, ValueError):
+    """Sharded tensors do not describe a valid sharding (gap, overlap, mismatched shapes)."""
+
+
+class DistributedSaveError(CkptdError, RuntimeError):
+    """A multi-rank save failed on some rank(s); ``ranks`` lists them, the message says why."""
+
+    def __init__(self, message: str, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks or [])
 
 
 class StorageError(CkptdError, OSError):

@@ -26,10 +26,12 @@ from typing import Any
 import torch
 
 from .errors import ConfigError, UnsafeCheckpointError, UnsupportedValueError
+from .sharding import ShardedTensor, describe_dtensor, is_dtensor, is_main_replica
 
 __all__ = [
     "COMPONENT_NAME_RE",
     "FlatComponent",
+    "Placement",
     "component_state",
     "find_tied_groups",
     "flatten_component",
@@ -42,17 +44,29 @@ COMPONENT_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where a local tensor sits in its global tensor (sharded tensors only)."""
+
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    main: bool
+
+
+@dataclass(frozen=True)
 class FlatComponent:
     """One component of a save, flattened.
 
-    ``tensors`` holds each distinct tensor once; ``tied`` lists groups of keys that alias the same
-    storage (first key is the one stored); ``tree`` is the JSON-compatible structure.
+    ``tensors`` holds each distinct local tensor once; ``placements`` says, for the pieces of
+    sharded tensors (DTensor, :class:`~ckptd.ShardedTensor`), where they sit in their global
+    tensor; ``tied`` lists groups of keys that alias the same storage (first key is the one
+    stored); ``tree`` is the JSON-compatible structure.
     """
 
     name: str
     tensors: dict[str, torch.Tensor]
     tree: Any
     tied: list[list[str]] = field(default_factory=list)
+    placements: dict[str, Placement] = field(default_factory=dict)
 
 
 def component_state(value: Any) -> Any:
@@ -79,7 +93,8 @@ def flatten_component(name: str, value: Any, *, allow_pickle: bool = False) -> F
     for group in tied:
         for alias in group[1:]:
             del tensors[alias]
-    return FlatComponent(name=name, tensors=tensors, tree=tree, tied=tied)
+    placements = {k: p for k, p in encoder.placements.items() if k in tensors}
+    return FlatComponent(name=name, tensors=tensors, tree=tree, tied=tied, placements=placements)
 
 
 def find_tied_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
@@ -105,6 +120,7 @@ class _Encoder:
         self.component = component
         self.allow_pickle = allow_pickle
         self.tensors: dict[str, torch.Tensor] = {}
+        self.placements: dict[str, Placement] = {}
 
     def _where(self, path: tuple[str, ...]) -> str:
         return ".".join((self.component, *path)) if path else self.component
@@ -119,6 +135,17 @@ class _Encoder:
         return key
 
     def encode(self, value: Any, path: tuple[str, ...], top: bool = False) -> Any:
+        if isinstance(value, ShardedTensor):
+            if value.data is None:
+                raise UnsupportedValueError(f"sharded tensor {value.key!r} at {self._where(path)!r} has no data")
+            key = self._add_tensor(value.data, path, key=value.key)
+            self.placements[key] = Placement(value.global_shape, value.global_offset, is_main_replica(value.replica_id))
+            return {TAG: "tensor", "key": key, "sharded": "sharded_tensor"}
+        if is_dtensor(value):
+            local, global_shape, offset, replica = describe_dtensor(value)
+            key = self._add_tensor(local, path)
+            self.placements[key] = Placement(global_shape, offset, is_main_replica(replica))
+            return {TAG: "tensor", "key": key, "sharded": "dtensor"}
         if isinstance(value, torch.Tensor):
             return {TAG: "tensor", "key": self._add_tensor(value, path)}
         if value is None or isinstance(value, (bool, str)):
@@ -159,14 +186,17 @@ class _Encoder:
             "values are stored without pickle; convert it, or pass allow_pickle=True on save and load"
         )
 
-    def _add_tensor(self, tensor: torch.Tensor, path: tuple[str, ...]) -> str:
+    def _add_tensor(self, tensor: torch.Tensor, path: tuple[str, ...], key: str | None = None) -> str:
         if tensor.is_sparse or tensor.layout != torch.strided:
             raise UnsupportedValueError(f"sparse tensor at {self._where(path)!r}: only dense tensors can be saved")
         if tensor.is_quantized:
             raise UnsupportedValueError(f"quantized tensor at {self._where(path)!r} cannot be saved as safetensors")
         if tensor.device.type == "meta":
             raise UnsupportedValueError(f"tensor at {self._where(path)!r} is on the meta device and holds no data")
-        key = self._tensor_key(path)
+        if key is None:
+            key = self._tensor_key(path)
+        elif key in self.tensors:
+            raise ConfigError(f"two sharded tensors in component {self.component!r} use the key {key!r}")
         self.tensors[key] = tensor.detach()
         return key
 

@@ -29,9 +29,10 @@ from .errors import (
     StorageError,
     UnsafeCheckpointError,
 )
-from .formats.safetensors import SafetensorsHeader, dtype_from_name, parse_header
+from .formats.safetensors import DTYPE_ITEMSIZE, SafetensorsHeader, dtype_from_name, dtype_name, parse_header
 from .formats.torch_bin import load_bin, load_bin_bytes
 from .manifest import MANIFEST_NAME, Manifest, TensorRecord, parse_state_file
+from .sharding import Box, ShardedTensor, describe_dtensor, intersect, is_dtensor, paired_runs
 from .storage import RangeReader, Storage, StorageTuning, check_file_name, is_local, local_path, storage_for
 
 __all__ = [
@@ -289,7 +290,7 @@ class CheckpointReader:
             entry = header.entries.get(key)
             if entry is None:
                 raise CorruptCheckpointError(f"{file_name}: index says it holds {key!r} but its header does not")
-            located[key] = TensorRecord(
+            located[key] = TensorRecord.whole(
                 entry.dtype, entry.shape, file_name, header.data_start + entry.start, header.data_start + entry.end
             )
         return located
@@ -337,20 +338,30 @@ class CheckpointReader:
                 f"{path}: CRC32C mismatch (manifest {expected.crc32c}, file {format_crc(value)}): the file is corrupt"
             )
 
+    def record(self, component: str, key: str) -> TensorRecord | None:
+        """Dtype, global shape and location of one stored tensor (``None`` for ``.bin`` files)."""
+        source = self._source(component)
+        if source.kind == "torch_bin":
+            return None
+        return self.locate(component, [key])[source.aliases.get(key, key)]
+
     def read(
         self,
         component: str = "model",
         keys: Iterable[str] | None = None,
         *,
         device: str | torch.device = "cpu",
-        targets: Mapping[str, torch.Tensor] | None = None,
+        targets: Mapping[str, Any] | None = None,
         verify: bool = False,
-    ) -> dict[str, torch.Tensor]:
+    ) -> dict[str, Any]:
         """Read tensors of ``component`` (all, or ``keys``); tied aliases map to the same tensor.
 
-        When ``targets[key]`` is a contiguous CPU tensor of the stored dtype and shape, bytes are
-        read straight into it; any other target is filled with ``copy_``.  Returns every
-        requested key (the target itself where one was given).
+        ``targets[key]`` receives the data in place: a tensor (the whole tensor), a DTensor or a
+        :class:`~ckptd.ShardedTensor` (only its piece of the global tensor: exactly the byte
+        ranges overlapping it are read, whatever layout the checkpoint was saved in).  Bytes go
+        straight into target memory when it is a contiguous CPU tensor of the stored dtype;
+        otherwise they are read into a buffer and copied.  Keys without a target come back as
+        whole tensors on ``device`` (assembled from their pieces if they were saved sharded).
         """
         source = self._source(component)
         requested = list(source.weight_map) + list(source.aliases) if keys is None else list(dict.fromkeys(keys))
@@ -358,58 +369,79 @@ class CheckpointReader:
         missing = [k for k in stored if k not in source.weight_map]
         if missing:
             raise KeyMismatchError(f"{self.directory}: component {component!r} has no tensor(s) {_preview(missing)}")
-        files = sorted({source.weight_map[k] for k in stored})
-        if verify:
-            self.verify(files)
         targets = dict(targets or {})
         stored_targets = {k: targets[k] for k in stored if k in targets}
         for alias, key in source.aliases.items():
             if alias in targets and key not in stored_targets:
                 stored_targets[key] = targets[alias]
         if source.kind == "torch_bin":
-            loaded = self._read_bin(files, set(stored), stored_targets)
+            files = sorted({source.weight_map[k] for k in stored})
+            destinations = self._read_bin(files, stored, stored_targets)
         else:
-            loaded = self._read_safetensors(self.locate(component, stored), stored_targets)
+            records = self.locate(component, stored)
+            if verify:
+                self.verify(sorted({f for record in records.values() for f in record.files}))
+            destinations = {
+                key: _Destination.make(key, records[key], stored_targets.get(key), self.directory) for key in stored
+            }
+            self._fetch(records, destinations)
         device = torch.device(device)
-        result: dict[str, torch.Tensor] = {}
-        for key in requested:
-            tensor = loaded[source.aliases.get(key, key)]
-            if tensor.device != device and key not in targets:
-                tensor = tensor.to(device)
-                loaded[source.aliases.get(key, key)] = tensor
-            result[key] = tensor
-        return result
+        loaded: dict[str, Any] = {}
+        for key, destination in destinations.items():
+            value = destination.finish()
+            if key not in stored_targets and isinstance(value, torch.Tensor) and value.device != device:
+                value = value.to(device)
+            loaded[key] = value
+        return {key: loaded[source.aliases.get(key, key)] for key in requested}
 
-    def _read_safetensors(
-        self, records: dict[str, TensorRecord], targets: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        by_file: dict[str, list[str]] = {}
-        for key, record in records.items():
-            by_file.setdefault(record.file, []).append(key)
-        out: dict[str, torch.Tensor] = {}
+    def _fetch(self, records: Mapping[str, TensorRecord], destinations: Mapping[str, _Destination]) -> None:
+        """Read, for every destination, the byte runs of each stored chunk overlapping it."""
+        requests: dict[str, list[tuple[int, memoryview]]] = {}
+        for key, destination in destinations.items():
+            record = records[key]
+            itemsize = DTYPE_ITEMSIZE[record.dtype]
+            view = tensor_memoryview(destination.buffer)
+            covered = 0
+            for chunk in record.chunks:
+                chunk_box = Box(chunk.offset, chunk.shape)
+                overlap = intersect(chunk_box, destination.box)
+                if overlap is None or overlap.numel == 0:
+                    continue
+                covered += overlap.numel
+                for src, dst, length in paired_runs(chunk_box, destination.box, overlap):
+                    requests.setdefault(chunk.file, []).append(
+                        (chunk.start + src * itemsize, view[dst * itemsize : (dst + length) * itemsize])
+                    )
+            if covered != destination.box.numel:
+                raise CorruptCheckpointError(
+                    f"{self.directory}: the stored pieces of {key!r} cover {covered} of the "
+                    f"{destination.box.numel} elements asked for"
+                )
 
         def read_file(file_name: str) -> None:
             path = self.storage.join(self.directory, file_name)
             reader = self._open(file_name)
             try:
-                plans = [_plan_read(reader, path, key, records[key], targets.get(key)) for key in by_file[file_name]]
+                wanted = requests[file_name]
+                end = max(offset + len(buffer) for offset, buffer in wanted)
+                if end > reader.size:
+                    raise CorruptCheckpointError(
+                        f"{path}: file is truncated: {end} bytes needed, the file has {reader.size}"
+                    )
                 try:
-                    reader.read_many([(p.record.start, tensor_memoryview(p.buffer)) for p in plans])
+                    reader.read_many(wanted)
                 except StorageError as e:
                     raise CorruptCheckpointError(f"{path}: cannot read tensors: {e}") from e
-                for plan in plans:
-                    out[plan.key] = plan.finish(path)
             finally:
                 reader.close()
 
-        files = list(by_file)
+        files = sorted(requests)
         if len(files) > 1:
             with ThreadPoolExecutor(min(_READ_THREADS, len(files)), thread_name_prefix="ckptd-read") as pool:
                 list(pool.map(read_file, files))
         else:
             for file_name in files:
                 read_file(file_name)
-        return out
 
     def _load_bin(self, file_name: str) -> dict[str, torch.Tensor]:
         path = _safe_path(self.storage, self.directory, file_name, self.directory)
@@ -417,24 +449,22 @@ class CheckpointReader:
             return load_bin(path)
         return load_bin_bytes(self.storage.read_bytes(path), path)
 
-    def _read_bin(
-        self, files: list[str], keys: set[str], targets: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
+    def _read_bin(self, files: list[str], keys: list[str], targets: Mapping[str, Any]) -> dict[str, _Destination]:
+        out: dict[str, _Destination] = {}
+        wanted = set(keys)
         for file_name in files:
-            path = self.storage.join(self.directory, file_name)
             for key, tensor in self._load_bin(file_name).items():
-                if key not in keys:
+                if key not in wanted:
                     continue
-                target = targets.get(key)
-                if target is not None:
-                    _copy_into(target, tensor, key, path)
-                    tensor = target
-                out[key] = tensor
-        missing = keys - set(out)
-        if missing:
+                record = TensorRecord.whole(dtype_name(tensor.dtype, key), tuple(tensor.shape), file_name, 0, 0)
+                destination = _Destination.make(key, record, targets.get(key), self.directory)
+                with torch.no_grad():
+                    destination.buffer.copy_(tensor[destination.box.slices()])
+                out[key] = destination
+        absent = wanted - set(out)
+        if absent:
             raise CorruptCheckpointError(
-                f"{self.directory}: index lists {_preview(sorted(missing))} but the shards lack them"
+                f"{self.directory}: index lists {_preview(sorted(absent))} but the shards lack them"
             )
         return out
 
@@ -464,54 +494,54 @@ def _parse_index(index: Any, where: str) -> tuple[dict[str, str], dict[str, str]
 
 
 @dataclass
-class _TensorRead:
-    """One tensor to read: the buffer bytes land in, and where they go afterwards."""
+class _Destination:
+    """Where one tensor's bytes land: ``buffer`` (contiguous, CPU, stored dtype, ``box`` shape),
+    then copied into ``target`` when that is not the buffer itself; ``result`` is what the read
+    returns for the key."""
 
     key: str
-    record: TensorRecord
+    box: Box
     buffer: torch.Tensor
     target: torch.Tensor | None
+    result: Any
 
-    def finish(self, path: str) -> torch.Tensor:
-        if self.target is not None and self.target is not self.buffer:
-            _copy_into(self.target, self.buffer, self.key, path)
-            return self.target
-        return self.buffer
+    @classmethod
+    def make(cls, key: str, record: TensorRecord, target: Any, where: str) -> _Destination:
+        dtype = dtype_from_name(record.dtype, f" for tensor {key!r} in {where}")
+        if target is None:
+            buffer = torch.empty(record.shape, dtype=dtype)
+            return cls(key, Box((0,) * len(record.shape), record.shape), buffer, None, buffer)
+        local, box, result = _target_region(target, record, key, where)
+        direct = local.device.type == "cpu" and local.dtype == dtype and local.is_contiguous()
+        buffer = local if direct else torch.empty(box.shape, dtype=dtype)
+        return cls(key, box, buffer, None if direct else local, result)
 
-
-def _plan_read(
-    reader: RangeReader, path: str, key: str, record: TensorRecord, target: torch.Tensor | None
-) -> _TensorRead:
-    dtype = dtype_from_name(record.dtype, f" for tensor {key!r} in {path}")
-    if record.end > reader.size:
-        raise CorruptCheckpointError(
-            f"{path}: file is truncated: tensor {key!r} ends at byte {record.end}, file has {reader.size}"
-        )
-    direct = (
-        target is not None
-        and target.device.type == "cpu"
-        and target.dtype == dtype
-        and tuple(target.shape) == record.shape
-        and target.is_contiguous()
-    )
-    if target is not None:
-        _check_shape(target, record.shape, key, path)
-    buffer = target if direct and target is not None else torch.empty(record.shape, dtype=dtype)
-    return _TensorRead(key, record, buffer, target)
+    def finish(self) -> Any:
+        if self.target is not None:
+            with torch.no_grad():
+                self.target.copy_(self.buffer)
+        return self.result
 
 
-def _check_shape(target: torch.Tensor, shape: tuple[int, ...], key: str, path: str) -> None:
-    if tuple(target.shape) != tuple(shape):
+def _target_region(target: Any, record: TensorRecord, key: str, where: str) -> tuple[torch.Tensor, Box, Any]:
+    """``(local tensor, its box in the global tensor, value to return)`` of a load target."""
+    result: Any = target
+    if isinstance(target, ShardedTensor):
+        if target.data is None:
+            raise KeyMismatchError(f"sharded target {key!r} has no data to load into")
+        local, global_shape, offset = target.data, target.global_shape, target.global_offset
+    elif is_dtensor(target):
+        local, global_shape, offset, _ = describe_dtensor(target)
+    elif isinstance(target, torch.Tensor):
+        local, global_shape, offset = target, tuple(target.shape), (0,) * target.dim()
+    else:
+        raise KeyMismatchError(f"cannot load {key!r} into a {type(target).__name__}")
+    if tuple(global_shape) != tuple(record.shape):
         raise KeyMismatchError(
-            f"size mismatch for {key!r}: checkpoint {path} has shape {tuple(shape)}, "
-            f"the target has {tuple(target.shape)}"
+            f"size mismatch for {key!r}: checkpoint {where} has shape {tuple(record.shape)}, "
+            f"the target has {tuple(global_shape)}"
         )
-
-
-def _copy_into(target: torch.Tensor, source: torch.Tensor, key: str, path: str) -> None:
-    _check_shape(target, tuple(source.shape), key, path)
-    with torch.no_grad():
-        target.copy_(source)
+    return local, Box(tuple(offset), tuple(local.shape)), result
 
 
 def _is_single_file(storage: Storage, path: str) -> bool:

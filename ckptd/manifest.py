@@ -8,7 +8,8 @@ store: every file with size and CRC32C, every tensor with dtype, shape, file and
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -22,6 +23,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "STATE_NAME",
+    "ChunkRecord",
     "ComponentRecord",
     "FileRecord",
     "Manifest",
@@ -30,7 +32,6 @@ __all__ = [
     "hf_index_name",
     "parse_state_file",
     "state_file_bytes",
-    "tensor_records_from_plan",
     "utc_now",
 ]
 
@@ -61,18 +62,86 @@ class FileRecord:
 
 
 @dataclass(frozen=True)
-class TensorRecord:
-    """Where one tensor lives: file name and absolute byte range ``[start, end)``."""
+class ChunkRecord:
+    """A stored piece of a tensor: file, absolute byte range, and its box in the global tensor."""
 
-    dtype: str
-    shape: tuple[int, ...]
     file: str
     start: int
     end: int
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """A logical tensor: dtype, global shape, and where its pieces live.
+
+    Most tensors are stored whole (one chunk at offset zero): ``file``, ``start`` and ``end``
+    describe it.  Sharded saves that could not write a whole tensor keep one chunk per piece.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkRecord, ...]
+
+    @classmethod
+    def whole(cls, dtype: str, shape: tuple[int, ...], file: str, start: int, end: int) -> TensorRecord:
+        return cls(dtype, shape, (ChunkRecord(file, start, end, (0,) * len(shape), shape),))
+
+    @property
+    def is_whole(self) -> bool:
+        return len(self.chunks) == 1 and self.chunks[0].shape == self.shape
+
+    @property
+    def file(self) -> str:
+        return self.chunks[0].file
+
+    @property
+    def start(self) -> int:
+        return self.chunks[0].start
+
+    @property
+    def end(self) -> int:
+        return self.chunks[0].end
 
     @property
     def nbytes(self) -> int:
-        return self.end - self.start
+        return sum(c.end - c.start for c in self.chunks)
+
+    @property
+    def files(self) -> set[str]:
+        return {c.file for c in self.chunks}
+
+    def to_json(self) -> dict[str, Any]:
+        if self.is_whole:
+            return {
+                "dtype": self.dtype,
+                "shape": list(self.shape),
+                "file": self.file,
+                "offsets": [self.start, self.end],
+            }
+        return {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "chunks": [
+                {"file": c.file, "offsets": [c.start, c.end], "global_offset": list(c.offset), "shape": list(c.shape)}
+                for c in self.chunks
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> TensorRecord:
+        dtype = str(body["dtype"])
+        shape = tuple(int(d) for d in body["shape"])
+        if "chunks" not in body:
+            start, end = (int(o) for o in body["offsets"])
+            return cls.whole(dtype, shape, str(body["file"]), start, end)
+        chunks = []
+        for c in body["chunks"]:
+            start, end = (int(o) for o in c["offsets"])
+            offset = tuple(int(o) for o in c["global_offset"])
+            chunks.append(ChunkRecord(str(c["file"]), start, end, offset, tuple(int(d) for d in c["shape"])))
+        return cls(dtype, shape, tuple(chunks))
 
 
 @dataclass(frozen=True)
@@ -83,6 +152,7 @@ class ComponentRecord:
     tensors: dict[str, TensorRecord]
     index: str | None = None
     tied: list[list[str]] = field(default_factory=list)
+    sharing: str = "replicated"
 
     def tensor_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
@@ -116,12 +186,10 @@ class Manifest:
             "components": {
                 name: {
                     "kind": c.kind,
+                    "sharing": c.sharing,
                     "index": c.index,
                     "tied": c.tied,
-                    "tensors": {
-                        key: {"dtype": t.dtype, "shape": list(t.shape), "file": t.file, "offsets": [t.start, t.end]}
-                        for key, t in c.tensors.items()
-                    },
+                    "tensors": {key: t.to_json() for key, t in c.tensors.items()},
                 }
                 for name, c in self.components.items()
             },
@@ -163,12 +231,12 @@ class Manifest:
         for name, c in body["components"].items():
             tensors: dict[str, TensorRecord] = {}
             for key, t in c["tensors"].items():
-                start, end = (int(o) for o in t["offsets"])
-                record = TensorRecord(str(t["dtype"]), tuple(int(d) for d in t["shape"]), str(t["file"]), start, end)
+                record = TensorRecord.from_json(t)
                 _check_tensor(record, f"{where}: tensor {name}.{key}", files)
                 tensors[key] = record
             tied = [[str(k) for k in group] for group in c.get("tied") or []]
-            components[name] = ComponentRecord(str(c["kind"]), tensors, c.get("index"), tied)
+            sharing = str(c.get("sharing", "replicated"))
+            components[name] = ComponentRecord(str(c["kind"]), tensors, c.get("index"), tied, sharing)
         state_file = body.get("state_file")
         if state_file is not None and state_file not in files:
             raise CorruptCheckpointError(f"{where}: state file {state_file!r} is not listed in files")
@@ -188,18 +256,25 @@ class Manifest:
 
 
 def _check_tensor(record: TensorRecord, where: str, files: Mapping[str, FileRecord]) -> None:
-    if record.file not in files:
-        raise CorruptCheckpointError(f"{where}: file {record.file!r} is not listed in the manifest")
     itemsize = DTYPE_ITEMSIZE.get(record.dtype)
     if itemsize is None:
         raise CorruptCheckpointError(f"{where}: unknown dtype {record.dtype!r}")
-    expected = itemsize
-    for dim in record.shape:
-        if dim < 0:
-            raise CorruptCheckpointError(f"{where}: negative dimension in shape {record.shape}")
-        expected *= dim
-    if record.start < 0 or record.end - record.start != expected or record.end > files[record.file].size:
-        raise CorruptCheckpointError(f"{where}: byte range [{record.start}, {record.end}) is inconsistent")
+    if any(dim < 0 for dim in record.shape):
+        raise CorruptCheckpointError(f"{where}: negative dimension in shape {record.shape}")
+    covered = 0
+    for chunk in record.chunks:
+        if chunk.file not in files:
+            raise CorruptCheckpointError(f"{where}: file {chunk.file!r} is not listed in the manifest")
+        if len(chunk.offset) != len(record.shape) or len(chunk.shape) != len(record.shape):
+            raise CorruptCheckpointError(f"{where}: a chunk's rank does not match the tensor's")
+        if any(o < 0 or o + s > d for o, s, d in zip(chunk.offset, chunk.shape, record.shape, strict=True)):
+            raise CorruptCheckpointError(f"{where}: chunk at {list(chunk.offset)} exceeds the tensor")
+        expected = itemsize * math.prod(chunk.shape)
+        if chunk.start < 0 or chunk.end - chunk.start != expected or chunk.end > files[chunk.file].size:
+            raise CorruptCheckpointError(f"{where}: byte range [{chunk.start}, {chunk.end}) is inconsistent")
+        covered += math.prod(chunk.shape)
+    if covered != math.prod(record.shape):
+        raise CorruptCheckpointError(f"{where}: chunks cover {covered} of {math.prod(record.shape)} elements")
 
 
 def hf_index(weight_map: Mapping[str, str], total_size: int, extra_metadata: Mapping[str, Any] | None = None) -> bytes:
@@ -225,15 +300,3 @@ def parse_state_file(data: bytes, where: str) -> dict[str, Any]:
         return components
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{where}: malformed state file ({e})") from e
-
-
-def tensor_records_from_plan(shards: Iterable[Any]) -> dict[str, dict[str, TensorRecord]]:
-    """Tensor records per component from planned shards (see :mod:`ckptd.planner`)."""
-    records: dict[str, dict[str, TensorRecord]] = {}
-    for shard in shards:
-        for i, item in enumerate(shard.items):
-            start = shard.item_file_offset(i)
-            records.setdefault(shard.component, {})[item.key] = TensorRecord(
-                item.dtype, item.shape, shard.file_name, start, start + item.nbytes
-            )
-    return records

@@ -1,42 +1,58 @@
-"""Save planning: tensors → shard files → one contiguous arena layout.
+"""Save planning: what every rank holds → shard files → the pieces each rank writes.
 
-The plan is a pure function of the tensors' keys, dtypes and shapes and the shard size limit, so
-two saves of the same state layout produce equal plans (and reuse the same staging arena).
+Input: each rank's :class:`LocalTensor` descriptions (whole tensors, and pieces of sharded
+tensors with their global offsets).  Output: a :class:`SavePlan`, the same on every rank because
+it is a pure function of all ranks' descriptions:
 
-Within a file, tensors are ordered by decreasing item size (then by their order in the state), as
-the reference safetensors writer does; with the data section starting on an 8-byte boundary this
-keeps every tensor naturally aligned, so the arena slot of each tensor is a typed view.
+* **files**: safetensors shards per component (``model-00001-of-00004.safetensors``), tensors in
+  state order, bucketed to at most ``max_shard_size`` bytes.  Within a file, tensors are ordered
+  by decreasing item size (as the reference safetensors writer does), which keeps every tensor
+  naturally aligned.
+* **who writes what**: a replicated tensor is written once, by one of the ranks holding it,
+  chosen to balance bytes (contiguous runs, so a rank's writes stay sequential).  The main replica
+  of each sharded piece is written by its rank.  When files may be shared (local/POSIX storage)
+  and a tensor is sharded by rows only (FSDP's layout), the whole tensor goes into the file and
+  each rank writes its row block at its offset (``pwrite``): the result is HF-compatible with no
+  consolidation.  Otherwise a piece is stored as its own entry, recorded as a chunk.
+* **pieces**: per rank, maximal contiguous byte ranges of files it writes, laid out back to back
+  in its staging arena (congruent with the file offset modulo 4096, so typed views stay aligned).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from .errors import ShardingError
 from .formats.safetensors import DTYPE_ITEMSIZE, TensorEntry, build_header, dtype_name
+from .manifest import ChunkRecord, TensorRecord
+from .sharding import Box, ChunkInfo, validate_sharding
 
 __all__ = [
-    "ARENA_FILE_ALIGNMENT",
+    "ARENA_ALIGNMENT",
+    "FilePlan",
+    "LocalTensor",
+    "Piece",
+    "PiecePart",
+    "RankPlan",
     "SavePlan",
-    "ShardPlan",
     "WriteItem",
     "bucket_items",
     "describe_tensors",
-    "layout_signature",
     "plan_file",
     "plan_save",
     "shard_file_name",
 ]
 
-ARENA_FILE_ALIGNMENT = 4096  # each file starts on a page boundary (O_DIRECT-ready)
+ARENA_ALIGNMENT = 4096
 
 
 @dataclass(frozen=True)
 class WriteItem:
-    """One tensor to write: where it belongs and what it looks like."""
+    """An entry of a shard file: its key in the file, dtype and shape."""
 
     component: str
     key: str
@@ -49,52 +65,98 @@ class WriteItem:
 
 
 @dataclass(frozen=True)
-class ShardPlan:
-    """One shard file: its header and items, and where its bytes live in the staging arena.
+class LocalTensor:
+    """What one rank holds of a logical tensor (descriptions only: no data).
 
-    ``data_offsets[i]`` is where ``items[i]`` starts in the file's data section; the whole file
-    (header included) occupies ``arena[arena_offset : arena_offset + size]``.
+    ``offset``/``shape`` place the local piece in the global tensor; ``sharded`` is True for
+    pieces of sharded tensors (DTensor / :class:`~ckptd.ShardedTensor`), ``main`` False for
+    replicas that must not be written.
     """
 
     component: str
-    file_name: str
-    header: bytes
-    items: tuple[WriteItem, ...]
-    data_offsets: tuple[int, ...]
-    arena_offset: int
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    sharded: bool = False
+    main: bool = True
 
     @property
-    def data_size(self) -> int:
-        return sum(item.nbytes for item in self.items)
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
 
     @property
-    def size(self) -> int:
-        return len(self.header) + self.data_size
-
-    def item_arena_offset(self, index: int) -> int:
-        """Arena offset of the first byte of ``items[index]``."""
-        return self.arena_offset + len(self.header) + self.data_offsets[index]
-
-    def item_file_offset(self, index: int) -> int:
-        """File offset of the first byte of ``items[index]``."""
-        return len(self.header) + self.data_offsets[index]
+    def is_whole(self) -> bool:
+        return self.shape == self.global_shape
 
 
 @dataclass(frozen=True)
-class SavePlan:
-    """Every shard of one save, laid out back to back in an arena of ``arena_size`` bytes."""
+class PiecePart:
+    """Part of a piece: the file header, or a rank's local tensor (``component``, ``key``)."""
 
-    shards: tuple[ShardPlan, ...]
+    offset: int
+    nbytes: int
+    header: bytes = b""
+    component: str = ""
+    key: str = ""
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous byte range ``[file_offset, file_offset + size)`` of one file, written by one
+    rank from ``arena[arena_offset : arena_offset + size]``."""
+
+    file_name: str
+    file_offset: int
+    size: int
+    arena_offset: int
+    parts: tuple[PiecePart, ...]
+    whole_file: bool
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank stages and writes."""
+
+    rank: int
+    pieces: tuple[Piece, ...]
     arena_size: int
     signature: tuple[object, ...]
 
     @property
+    def bytes(self) -> int:
+        return sum(p.size for p in self.pieces)
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """A shard file: its component, name and size."""
+
+    component: str
+    file_name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """The plan of one save across all ranks."""
+
+    world_size: int
+    files: tuple[FilePlan, ...]
+    ranks: tuple[RankPlan, ...]
+    tensors: dict[str, dict[str, TensorRecord]] = field(default_factory=dict)
+    signature: tuple[object, ...] = ()
+
+    @property
     def total_bytes(self) -> int:
-        return sum(shard.size for shard in self.shards)
+        return sum(f.size for f in self.files)
 
 
 def describe_tensors(component: str, tensors: dict[str, torch.Tensor]) -> list[WriteItem]:
-    """Write items for a component's tensors, in the state's order."""
+    """Write items for whole tensors, in the state's order."""
     return [
         WriteItem(component, key, dtype_name(t.dtype, f"{component}.{key}"), tuple(t.shape))
         for key, t in tensors.items()
@@ -107,11 +169,8 @@ def shard_file_name(component: str, index: int, count: int, extension: str = "sa
 
 
 def bucket_items(items: Sequence[WriteItem], max_shard_size: int) -> list[list[WriteItem]]:
-    """Split items, in order, into buckets of at most ``max_shard_size`` bytes.
-
-    A tensor larger than the limit gets a bucket of its own (as HF does).  Always returns at
-    least one bucket, so a component without tensors still gets an (empty) shard list entry.
-    """
+    """Split items, in order, into buckets of at most ``max_shard_size`` bytes (an item larger
+    than the limit gets a bucket of its own, as HF does).  Always returns at least one bucket."""
     buckets: list[list[WriteItem]] = [[]]
     filled = 0
     for item in items:
@@ -123,58 +182,278 @@ def bucket_items(items: Sequence[WriteItem], max_shard_size: int) -> list[list[W
     return buckets
 
 
-def _align(value: int, alignment: int) -> int:
-    return -(-value // alignment) * alignment
-
-
 def _file_order(items: Iterable[WriteItem]) -> list[WriteItem]:
     indexed = list(enumerate(items))
     indexed.sort(key=lambda pair: (-DTYPE_ITEMSIZE[pair[1].dtype], pair[0]))
     return [item for _, item in indexed]
 
 
-def plan_file(component: str, file_name: str, items: Sequence[WriteItem], arena_offset: int = 0) -> ShardPlan:
+@dataclass(frozen=True)
+class FileLayout:
+    """A safetensors file's header and the absolute offset of each entry (by entry key)."""
+
+    component: str
+    file_name: str
+    header: bytes
+    items: tuple[WriteItem, ...]
+    starts: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(i.nbytes for i in self.items)
+
+    def item_file_offset(self, index: int) -> int:
+        return self.starts[index]
+
+
+def plan_file(component: str, file_name: str, items: Sequence[WriteItem]) -> FileLayout:
     """The layout of one safetensors file holding ``items`` (reordered for alignment)."""
     ordered = _file_order(items)
-    offsets: list[int] = []
     entries: list[TensorEntry] = []
     position = 0
     for item in ordered:
-        offsets.append(position)
         entries.append(TensorEntry(item.key, item.dtype, item.shape, position, position + item.nbytes))
         position += item.nbytes
-    return ShardPlan(
-        component=component,
-        file_name=file_name,
-        header=build_header(entries),
-        items=tuple(ordered),
-        data_offsets=tuple(offsets),
-        arena_offset=arena_offset,
-    )
+    header = build_header(entries)
+    starts = tuple(len(header) + e.start for e in entries)
+    return FileLayout(component, file_name, header, tuple(ordered), starts)
 
 
-def layout_signature(components: Sequence[tuple[str, Sequence[WriteItem]]], max_shard_size: int) -> tuple[object, ...]:
-    """What determines a plan: equal signatures give equal plans (and reuse the same arena)."""
-    return (max_shard_size, *((name, tuple((i.key, i.dtype, i.shape) for i in items)) for name, items in components))
+# ---- the global plan ----------------------------------------------------------------------------
 
 
-def plan_save(components: Sequence[tuple[str, Sequence[WriteItem]]], max_shard_size: int) -> SavePlan:
-    """Plan the shard files of every component and their layout in the staging arena.
+@dataclass
+class _Logical:
+    component: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    holders: list[LocalTensor] = field(default_factory=list)
+    holder_ranks: list[int] = field(default_factory=list)
 
-    Components without tensors produce no shard.  Shard names count per component.
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A file entry to write: the item, and who writes which bytes of it."""
+
+    item: WriteItem
+    writers: tuple[tuple[int, int, int, LocalTensor], ...]  # (rank, byte offset in entry, nbytes, piece)
+    chunk_of: str | None = None  # the logical tensor, when this entry is one stored chunk of it
+
+
+def plan_save(
+    locals_by_rank: Sequence[Sequence[LocalTensor]],
+    max_shard_size: int,
+    *,
+    shared_files: bool = True,
+    component_kinds: dict[str, str] | None = None,
+) -> SavePlan:
+    """Plan a save of every rank's tensors (``locals_by_rank[r]`` is rank ``r``'s list).
+
+    ``shared_files`` allows several ranks to write one file (local storage); without it, every
+    file has one writer and row-sharded tensors are stored as chunks.
     """
-    shards: list[ShardPlan] = []
-    arena_offset = 0
-    for component, items in components:
-        if not items:
-            continue
-        buckets = bucket_items(items, max_shard_size)
-        for number, bucket in enumerate(buckets, start=1):
-            shard = plan_file(component, shard_file_name(component, number, len(buckets)), bucket, arena_offset)
-            shards.append(shard)
-            arena_offset = _align(arena_offset + shard.size, ARENA_FILE_ALIGNMENT)
-    return SavePlan(
-        shards=tuple(shards),
-        arena_size=max(arena_offset, ARENA_FILE_ALIGNMENT),
-        signature=layout_signature(components, max_shard_size),
-    )
+    world = len(locals_by_rank)
+    logical = _logical_tensors(locals_by_rank)
+    _validate(logical)
+    loads = [0] * world
+    whole: list[_Logical] = []
+    row_sharded: list[_Logical] = []
+    chunked: list[_Logical] = []
+    for tensor in logical:
+        mains = [t for t in tensor.holders if t.main]
+        if not any(t.sharded for t in tensor.holders) or (len(mains) == 1 and mains[0].is_whole):
+            whole.append(tensor)
+        elif shared_files and all(t.shape[1:] == tensor.shape[1:] for t in mains) and tensor.shape:
+            row_sharded.append(tensor)
+        else:
+            chunked.append(tensor)
+        for rank, piece in zip(tensor.holder_ranks, tensor.holders, strict=False):
+            if piece.sharded and piece.main and not (len(mains) == 1 and piece.is_whole):
+                loads[rank] += piece.nbytes
+    owners = _assign_whole(whole, loads, world)
+
+    # Entries, in state order, per component.
+    entries_by_component: dict[str, list[_Entry]] = {}
+    for tensor in logical:
+        bucket = entries_by_component.setdefault(tensor.component, [])
+        item = WriteItem(tensor.component, tensor.key, tensor.dtype, tensor.shape)
+        if tensor in chunked:
+            for rank, piece in zip(tensor.holder_ranks, tensor.holders, strict=False):
+                if piece.main:
+                    chunk_key = f"{tensor.key}@{','.join(map(str, piece.offset))}"
+                    chunk_item = WriteItem(tensor.component, chunk_key, tensor.dtype, piece.shape)
+                    bucket.append(_Entry(chunk_item, ((rank, 0, piece.nbytes, piece),), tensor.key))
+        elif tensor in row_sharded:
+            row = math.prod(tensor.shape[1:]) * DTYPE_ITEMSIZE[tensor.dtype]
+            writers = tuple(
+                (rank, piece.offset[0] * row, piece.nbytes, piece)
+                for rank, piece in zip(tensor.holder_ranks, tensor.holders, strict=False)
+                if piece.main
+            )
+            bucket.append(_Entry(item, writers))
+        else:
+            rank = owners[(tensor.component, tensor.key)]
+            piece = tensor.holders[tensor.holder_ranks.index(rank)]
+            bucket.append(_Entry(item, ((rank, 0, item.nbytes, piece),)))
+
+    layouts: list[tuple[FileLayout, dict[str, _Entry]]] = []
+    for component, entries in entries_by_component.items():
+        groups = _group_entries(entries, max_shard_size, shared_files)
+        for number, group in enumerate(groups, start=1):
+            name = shard_file_name(component, number, len(groups))
+            layout = plan_file(component, name, [e.item for e in group])
+            layouts.append((layout, {e.item.key: e for e in group}))
+
+    parts_by_rank: list[list[tuple[str, int, PiecePart, int]]] = [[] for _ in range(world)]
+    tensors: dict[str, dict[str, TensorRecord]] = {}
+    files: list[FilePlan] = []
+    chunk_records: dict[tuple[str, str], list[ChunkRecord]] = {}
+    for layout, by_key in layouts:
+        files.append(FilePlan(layout.component, layout.file_name, layout.size))
+        first_writer = by_key[layout.items[0].key].writers[0][0] if layout.items else 0
+        parts_by_rank[first_writer].append(
+            (layout.file_name, 0, PiecePart(0, len(layout.header), header=layout.header), layout.size)
+        )
+        for index, item in enumerate(layout.items):
+            start = layout.item_file_offset(index)
+            entry = by_key[item.key]
+            for rank, offset, nbytes, piece in entry.writers:
+                part = PiecePart(
+                    0, nbytes, component=piece.component, key=piece.key, dtype=piece.dtype, shape=piece.shape
+                )
+                parts_by_rank[rank].append((layout.file_name, start + offset, part, layout.size))
+            if entry.chunk_of is not None:
+                piece = entry.writers[0][3]
+                chunk_records.setdefault((item.component, entry.chunk_of), []).append(
+                    ChunkRecord(layout.file_name, start, start + item.nbytes, piece.offset, piece.shape)
+                )
+            else:
+                tensors.setdefault(item.component, {})[item.key] = TensorRecord.whole(
+                    item.dtype, item.shape, layout.file_name, start, start + item.nbytes
+                )
+    for tensor in chunked:
+        chunks = sorted(chunk_records[(tensor.component, tensor.key)], key=lambda c: c.offset)
+        tensors.setdefault(tensor.component, {})[tensor.key] = TensorRecord(tensor.dtype, tensor.shape, tuple(chunks))
+    ordered_tensors = {
+        component: {t.key: tensors[component][t.key] for t in logical if t.component == component}
+        for component in entries_by_component
+    }
+    rank_plans = tuple(_rank_plan(rank, parts) for rank, parts in enumerate(parts_by_rank))
+    signature = (max_shard_size, shared_files, tuple(tuple(local) for local in locals_by_rank))
+    return SavePlan(world, tuple(files), rank_plans, ordered_tensors, signature)
+
+
+def _logical_tensors(locals_by_rank: Sequence[Sequence[LocalTensor]]) -> list[_Logical]:
+    found: dict[tuple[str, str], _Logical] = {}
+    for rank, local in enumerate(locals_by_rank):
+        for tensor in local:
+            entry = found.get((tensor.component, tensor.key))
+            if entry is None:
+                entry = _Logical(tensor.component, tensor.key, tensor.dtype, tensor.global_shape)
+                found[(tensor.component, tensor.key)] = entry
+            entry.holders.append(tensor)
+            entry.holder_ranks.append(rank)
+    return list(found.values())
+
+
+def _validate(logical: Sequence[_Logical]) -> None:
+    chunks: list[ChunkInfo] = []
+    for tensor in logical:
+        sharded = any(t.sharded for t in tensor.holders)
+        for rank, piece in zip(tensor.holder_ranks, tensor.holders, strict=False):
+            if not sharded:
+                if (piece.dtype, piece.global_shape) != (tensor.dtype, tensor.shape):
+                    raise ShardingError(
+                        f"tensor {tensor.component}.{tensor.key!r} is replicated but rank {rank} holds "
+                        f"{piece.dtype}{list(piece.global_shape)} while rank {tensor.holder_ranks[0]} holds "
+                        f"{tensor.dtype}{list(tensor.shape)}"
+                    )
+                continue
+            if not piece.sharded:
+                raise ShardingError(
+                    f"tensor {tensor.component}.{tensor.key!r} is sharded on some ranks "
+                    f"but a plain tensor on rank {rank}"
+                )
+            name = f"{tensor.component}.{tensor.key}"
+            box = Box(piece.offset, piece.shape)
+            chunks.append(ChunkInfo(rank, name, piece.dtype, piece.global_shape, box, piece.main))
+    validate_sharding(chunks)
+
+
+def _assign_whole(whole: Sequence[_Logical], loads: list[int], world: int) -> dict[tuple[str, str], int]:
+    """Pick one writer per replicated tensor: contiguous runs per rank, balancing total bytes."""
+    owners: dict[tuple[str, str], int] = {}
+    if world == 1:
+        return {(t.component, t.key): 0 for t in whole}
+    total = sum(t.nbytes for t in whole) + sum(loads)
+    targets = [max(0, total // world - load) for load in loads]
+    assigned = [0] * world
+    current = 0
+    for tensor in whole:
+        holders = sorted(set(tensor.holder_ranks))
+        if current in holders and (assigned[current] < targets[current] or current == world - 1):
+            rank = current
+        elif len(holders) == world:
+            while current < world - 1 and assigned[current] >= targets[current]:
+                current += 1
+            rank = current
+        else:
+            rank = min(holders, key=lambda r: (loads[r] + assigned[r], r))
+        owners[(tensor.component, tensor.key)] = rank
+        assigned[rank] += tensor.nbytes
+    return owners
+
+
+def _group_entries(entries: Sequence[_Entry], max_shard_size: int, shared_files: bool) -> list[list[_Entry]]:
+    """Bucket entries into files: in state order when files may be shared, else per writer rank."""
+    if shared_files:
+        groups: list[list[_Entry]] = []
+        for bucket in bucket_items([e.item for e in entries], max_shard_size):
+            by_key = {e.item.key: e for e in entries}
+            groups.append([by_key[i.key] for i in bucket])
+        return [g for g in groups if g] or []
+    by_rank: dict[int, list[_Entry]] = {}
+    for entry in entries:
+        by_rank.setdefault(entry.writers[0][0], []).append(entry)
+    groups = []
+    for rank in sorted(by_rank):
+        by_key = {e.item.key: e for e in by_rank[rank]}
+        for bucket in bucket_items([e.item for e in by_rank[rank]], max_shard_size):
+            groups.append([by_key[i.key] for i in bucket])
+    return [g for g in groups if g]
+
+
+def _rank_plan(rank: int, parts: list[tuple[str, int, PiecePart, int]]) -> RankPlan:
+    """Merge a rank's parts into contiguous pieces and lay them out in its arena."""
+    parts = sorted(parts, key=lambda p: (p[0], p[1]))
+    pieces: list[Piece] = []
+    cursor = 0
+    run: list[tuple[str, int, PiecePart, int]] = []
+
+    def flush() -> None:
+        nonlocal cursor
+        if not run:
+            return
+        file_name, start, _, file_size = run[0]
+        end = run[-1][1] + run[-1][2].nbytes
+        arena_offset = -(-cursor // ARENA_ALIGNMENT) * ARENA_ALIGNMENT + start % ARENA_ALIGNMENT
+        members = tuple(
+            PiecePart(offset - start, part.nbytes, part.header, part.component, part.key, part.dtype, part.shape)
+            for _, offset, part, _ in run
+        )
+        pieces.append(Piece(file_name, start, end - start, arena_offset, members, start == 0 and end == file_size))
+        cursor = arena_offset + end - start
+        run.clear()
+
+    for part in parts:
+        if run and (part[0] != run[-1][0] or part[1] != run[-1][1] + run[-1][2].nbytes):
+            flush()
+        run.append(part)
+    flush()
+    signature = tuple((p.file_name, p.file_offset, p.size, p.arena_offset) for p in pieces)
+    return RankPlan(rank, tuple(pieces), max(cursor, ARENA_ALIGNMENT), signature)

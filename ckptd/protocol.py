@@ -50,21 +50,26 @@ _MAX_FDS = 4
 
 @dataclass(frozen=True)
 class FileSpec:
-    """One file to write: ``name`` under the target directory, from ``arena[offset:offset+size]``."""
+    """Bytes to write: ``arena[arena_offset : arena_offset + size]`` into file ``name`` under the
+    target directory.  ``whole_file``: the bytes are the entire file (created or truncated);
+    otherwise they go at ``file_offset`` of a file other ranks write into too (``pwrite``)."""
 
     name: str
     arena_offset: int
     size: int
+    file_offset: int = 0
+    whole_file: bool = True
 
 
 @dataclass(frozen=True)
 class FileResult:
-    """What the writer wrote for one file."""
+    """What the writer wrote for one :class:`FileSpec` (CRC32C of those bytes only)."""
 
     name: str
     size: int
     crc32c: int
     seconds: float
+    file_offset: int = 0
 
 
 @dataclass(frozen=True)

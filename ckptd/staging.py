@@ -1,8 +1,9 @@
 """The staging arenas: where ``async_save`` snapshots tensors before the writer persists them.
 
-An arena is one shared-memory segment (see :mod:`ckptd.shm`) laid out by a
-:class:`~ckptd.planner.SavePlan`: every shard file, header included, is one contiguous slice in
-file order, so the writer streams each file with no further copy.  Arenas are created once and
+An arena is one shared-memory segment (see :mod:`ckptd.shm`) laid out by a rank's
+:class:`~ckptd.planner.RankPlan`: every piece of a file the rank writes (a whole shard file,
+header included, on a single rank) is one contiguous slice in file order, so the writer streams
+it with no further copy.  Arenas are created once and
 reused while the state's layout fits; when CUDA is available they are page-locked with
 ``cudaHostRegister`` so device→host copies run at full speed.  A pool of ``max_in_flight`` arenas
 provides back-pressure: a save waits while all of them are still being written.
@@ -18,7 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from .formats.safetensors import dtype_from_name
-from .planner import SavePlan
+from .planner import RankPlan
 from .shm import SharedSegment
 from .writer import InProcessWriter, WriterClient
 
@@ -35,47 +36,45 @@ class StagingArena:
     def __init__(self, arena_id: int, size: int) -> None:
         self.arena_id = arena_id
         self.segment = SharedSegment.create(-(-size // _GROWTH_ALIGNMENT) * _GROWTH_ALIGNMENT)
-        self.plan: SavePlan | None = None
+        self.plan: RankPlan | None = None
         self.busy = False
         self._base: torch.Tensor | None = torch.frombuffer(self.segment.mmap, dtype=torch.uint8)
-        self._views: list[torch.Tensor] = []
+        self._views: list[tuple[str, str, torch.Tensor]] = []
         self.pinned = _pin(self._base)
 
     @property
     def size(self) -> int:
         return self.segment.size
 
-    def layout(self, plan: SavePlan) -> None:
+    def layout(self, plan: RankPlan) -> None:
         """Lay the arena out for ``plan`` (headers written, tensor views built) unless it already is."""
         if self.plan is not None and self.plan.signature == plan.signature:
             return
         base = self._require_base()
         if plan.arena_size > self.size:
             raise ValueError(f"plan needs {plan.arena_size} bytes, arena {self.arena_id} has {self.size}")
-        views: list[torch.Tensor] = []
-        for shard in plan.shards:
-            header = torch.frombuffer(bytearray(shard.header), dtype=torch.uint8)
-            base[shard.arena_offset : shard.arena_offset + len(header)].copy_(header)
-            for index, item in enumerate(shard.items):
-                start = shard.item_arena_offset(index)
-                view = base[start : start + item.nbytes].view(dtype_from_name(item.dtype)).view(item.shape)
-                views.append(view)
+        views: list[tuple[str, str, torch.Tensor]] = []
+        for piece in plan.pieces:
+            for part in piece.parts:
+                start = piece.arena_offset + part.offset
+                if part.header:
+                    header = torch.frombuffer(bytearray(part.header), dtype=torch.uint8)
+                    base[start : start + part.nbytes].copy_(header)
+                    continue
+                view = base[start : start + part.nbytes].view(dtype_from_name(part.dtype)).view(part.shape)
+                views.append((part.component, part.key, view))
         self._views = views
         self.plan = plan
 
     def stage(self, tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        """Copy every planned tensor (``tensors[component][key]``) into its arena slot."""
-        plan = self.plan
-        if plan is None:
+        """Copy every planned local tensor (``tensors[component][key]``) into its arena slot."""
+        if self.plan is None:
             raise ValueError("arena has no layout")
         any_cuda = False
-        views = iter(self._views)
-        for shard in plan.shards:
-            component = tensors[shard.component]
-            for item in shard.items:
-                source = component[item.key]
-                any_cuda = any_cuda or source.is_cuda
-                next(views).copy_(source, non_blocking=source.is_cuda and self.pinned)
+        for component, key, view in self._views:
+            source = tensors[component][key]
+            any_cuda = any_cuda or source.is_cuda
+            view.copy_(source, non_blocking=source.is_cuda and self.pinned)
         if any_cuda:
             torch.cuda.synchronize()
 
@@ -119,7 +118,7 @@ class StagingPool:
         self._cond = threading.Condition()
         self._closed = False
 
-    def acquire(self, plan: SavePlan) -> tuple[StagingArena, float]:
+    def acquire(self, plan: RankPlan) -> tuple[StagingArena, float]:
         """A free arena laid out for ``plan``, waiting while all are busy.
 
         Returns the arena and the seconds spent waiting (back-pressure).
@@ -142,7 +141,7 @@ class StagingPool:
             raise
         return arena, waited
 
-    def _pick(self, plan: SavePlan) -> StagingArena | None:
+    def _pick(self, plan: RankPlan) -> StagingArena | None:
         free = [a for a in self._arenas if not a.busy]
         for arena in free:
             if arena.plan is not None and arena.plan.signature == plan.signature:

@@ -63,16 +63,31 @@ def _write_file(
     started = time.perf_counter()
     data = arena[spec.arena_offset : spec.arena_offset + spec.size]
     checksum: Future[int] = checksums.submit(crc32c_of_view, data)
+    path = storage.join(request.directory, spec.name)
     try:
-        storage.write_view(
-            storage.join(request.directory, spec.name),
-            data,
-            fsync=request.fsync,
-            chunk_size=request.chunk_size,
-            should_stop=should_stop,
-            on_progress=on_progress,
-        )
+        if spec.whole_file:
+            storage.write_view(
+                path,
+                data,
+                fsync=request.fsync,
+                chunk_size=request.chunk_size,
+                should_stop=should_stop,
+                on_progress=on_progress,
+            )
+        else:
+            write_at = getattr(storage, "write_at", None)
+            if write_at is None:
+                raise ValueError(f"{path}: this storage cannot write one file from several ranks")
+            write_at(
+                path,
+                spec.file_offset,
+                data,
+                fsync=request.fsync,
+                chunk_size=request.chunk_size,
+                should_stop=should_stop,
+                on_progress=on_progress,
+            )
     except BaseException:
         checksum.cancel()
         raise
-    return FileResult(spec.name, spec.size, checksum.result(), time.perf_counter() - started)
+    return FileResult(spec.name, spec.size, checksum.result(), time.perf_counter() - started, spec.file_offset)

@@ -13,7 +13,7 @@ from conftest import assert_same
 import ckptd
 from ckptd.errors import CorruptCheckpointError
 from ckptd.formats.safetensors import TensorEntry, build_header, parse_header
-from ckptd.planner import WriteItem, bucket_items, plan_save
+from ckptd.planner import LocalTensor, WriteItem, bucket_items, plan_save
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402
@@ -51,17 +51,25 @@ def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def test_golden_header_bytes():
-    plan = plan_save([("model", [WriteItem("model", "b", "F16", (2,)), WriteItem("model", "a", "F32", (1, 2))])], 2**30)
-    (shard,) = plan.shards
+    local = [
+        LocalTensor("model", "b", "F16", (2,), (0,), (2,)),
+        LocalTensor("model", "a", "F32", (1, 2), (0, 0), (1, 2)),
+    ]
+    plan = plan_save([local], 2**30)
+    (file,) = plan.files
     body = (
         b'{"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[1,2],"data_offsets":[0,8]},'
         b'"b":{"dtype":"F16","shape":[2],"data_offsets":[8,12]}}'
     )
     body += b" " * (-len(body) % 8)
-    assert shard.header == struct.pack("<Q", len(body)) + body
-    assert shard.file_name == "model-00001-of-00001.safetensors"
-    assert [i.key for i in shard.items] == ["a", "b"], "wider dtypes first keeps every tensor aligned"
-    assert shard.size == len(shard.header) + 12
+    header = struct.pack("<Q", len(body)) + body
+    assert file.file_name == "model-00001-of-00001.safetensors" and file.size == len(header) + 12
+    (piece,) = plan.ranks[0].pieces
+    assert piece.whole_file and piece.file_offset == 0 and piece.size == file.size
+    assert piece.parts[0].header == header
+    assert [p.key for p in piece.parts[1:]] == ["a", "b"], "wider dtypes first keeps every tensor aligned"
+    record = plan.tensors["model"]["a"]
+    assert (record.file, record.start, record.end) == (file.file_name, len(header), len(header) + 8)
 
 
 def test_bucketing_follows_hf_rules():
@@ -126,6 +134,7 @@ def test_manifest_golden_shape(checkpointer):
     }
     assert body["components"]["model"] == {
         "kind": "safetensors",
+        "sharing": "replicated",
         "index": "model.safetensors.index.json",
         "tied": [],
         "tensors": {
@@ -140,7 +149,13 @@ def test_manifest_golden_shape(checkpointer):
             }
         },
     }
-    assert body["components"]["data"] == {"kind": "state", "index": None, "tied": [], "tensors": {}}
+    assert body["components"]["data"] == {
+        "kind": "state",
+        "sharing": "replicated",
+        "index": None,
+        "tied": [],
+        "tensors": {},
+    }
     assert body["created_utc"].endswith("Z") and body["library_version"] == ckptd.__version__
     assert all(len(f["crc32c"]) == 8 for f in body["files"].values())
     with open(os.path.join(result.path, "state.json")) as f:

@@ -132,6 +132,42 @@ class LocalStorage:
             raise
         os.close(fd)
 
+    def write_at(
+        self,
+        path: str,
+        offset: int,
+        view: memoryview,
+        *,
+        fsync: bool,
+        chunk_size: int,
+        should_stop: Callable[[], bool],
+        on_progress: Callable[[int], None],
+    ) -> None:
+        """Write ``view`` at ``offset`` of a file that other writers fill in too (no truncation)."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise storage_error("create", path, e) from e
+        try:
+            for start in range(0, len(view), chunk_size):
+                if should_stop():
+                    raise Stopped(path)
+                chunk = view[start : start + chunk_size]
+                position = offset + start
+                while chunk:
+                    written = os.pwrite(fd, chunk, position)
+                    chunk = chunk[written:]
+                    position += written
+                on_progress(min(chunk_size, len(view) - start))
+            if fsync:
+                os.fsync(fd)
+        except OSError as e:
+            if isinstance(e, StorageError):
+                raise
+            raise storage_error("write", path, e) from e
+        finally:
+            os.close(fd)
+
     def open_reader(self, path: str) -> _Reader:
         return _Reader(path)
 

@@ -1,0 +1,152 @@
+"""The torch.distributed seam: who we are, one collective per save, and the c10d store.
+
+Planning runs on the caller's thread, inside ``async_save``, where a collective is safe: every
+rank contributes its description with one ``all_gather_object`` on a CPU (gloo) group.  Everything
+after that (waiting for other ranks' writes, the commit, failures) happens on background threads
+and must not issue collectives on the training group, so it goes through the c10d key-value store
+with per-save keys and deadlines instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import ConfigError, DistributedSaveError
+
+__all__ = ["DistContext", "Sharing", "normalize_sharing"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_SECONDS = 0.05
+
+
+class Sharing:
+    """How a component is shared across ranks (strings are accepted too).
+
+    * ``REPLICATED`` (default): the same on every rank; plain tensors are written once (by a rank
+      chosen to balance bytes); DTensors and :class:`~ckptd.ShardedTensor` are written as shards.
+    * ``PER_RANK``: every rank's own copy (RNG, data position), restored to the same rank.
+    * ``GLOBAL``: one copy, saved by the coordinator only, loaded by every rank.
+    * ``PER_GROUP``: one copy per process group (pass ``(Sharing.PER_GROUP, group)``), replicated
+      inside the group.
+    Forgather's names (``GLOBAL``, ``PER_RANK``, ``REPLICATED``, ``PER_GROUP``) and ``"sharded"``
+    (same as replicated: sharded tensors are recognised by their type) are accepted.
+    """
+
+    REPLICATED = "replicated"
+    PER_RANK = "per_rank"
+    GLOBAL = "global"
+    PER_GROUP = "per_group"
+
+
+_ALIASES = {
+    "replicated": Sharing.REPLICATED,
+    "sharded": Sharing.REPLICATED,
+    "per_rank": Sharing.PER_RANK,
+    "global": Sharing.GLOBAL,
+    "per_group": Sharing.PER_GROUP,
+}
+
+
+def normalize_sharing(value: Any) -> tuple[str, Any]:
+    """``(pattern, group)`` from a string, an enum member (Forgather's ``SharingPattern``) or a
+    ``(pattern, group)`` pair."""
+    group = None
+    if isinstance(value, tuple) and len(value) == 2:
+        value, group = value
+    name = getattr(value, "name", None) or getattr(value, "value", None) or value
+    pattern = _ALIASES.get(str(name).lower())
+    if pattern is None:
+        raise ConfigError(f"unknown sharing pattern {value!r}; use replicated, per_rank, global or per_group")
+    if pattern == Sharing.PER_GROUP and group is None:
+        raise ConfigError("per_group sharing needs a process group: pass (Sharing.PER_GROUP, group)")
+    return pattern, group
+
+
+@dataclass
+class DistContext:
+    """This process's place in a multi-rank run."""
+
+    rank: int
+    world_size: int
+    coordinator: int
+    group: Any
+    store: Any
+    timeout: float
+
+    @classmethod
+    def detect(cls, process_group: Any = None, coordinator: int = 0, timeout: float = 600.0) -> DistContext | None:
+        """The context of the current process group, or ``None`` outside torch.distributed (or
+        with a single rank).  Call on every rank: with an NCCL default group it creates a gloo
+        group (a collective)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = process_group or dist.group.WORLD
+        world = dist.get_world_size(group)
+        if world == 1:
+            return None
+        if "gloo" not in str(dist.get_backend(group)).lower():
+            ranks = dist.get_process_group_ranks(group)
+            group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout))
+        store = dist.distributed_c10d._get_default_store()
+        return cls(dist.get_rank(group), world, coordinator, group, store, timeout)
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == self.coordinator
+
+    def global_rank(self, group_rank: int) -> int:
+        return int(dist.get_global_rank(self.group, group_rank)) if self.group is not dist.group.WORLD else group_rank
+
+    def all_gather(self, payload: Any) -> list[Any]:
+        """Every rank's ``payload``, in rank order (the one collective of a save)."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, payload, group=self.group)
+        return out
+
+    # ---- the store ------------------------------------------------------------------------
+
+    def post(self, key: str, value: dict[str, Any]) -> None:
+        """Publish ``value`` (JSON) under ``key`` for the other ranks."""
+        self.store.set(f"ckptd/{key}", json.dumps(value))
+
+    def poll(self, key: str) -> dict[str, Any] | None:
+        """The value under ``key`` if it was posted, else ``None`` (never blocks)."""
+        full = f"ckptd/{key}"
+        if not self.store.check([full]):
+            return None
+        return json.loads(self.store.get(full))
+
+    def wait(self, keys: list[str], deadline: float, what: str) -> dict[str, dict[str, Any]]:
+        """Wait until every key is posted; returns what was posted so far when the deadline
+        passes (the caller reports the missing ones)."""
+        found: dict[str, dict[str, Any]] = {}
+        while True:
+            for key in keys:
+                if key not in found:
+                    value = self.poll(key)
+                    if value is not None:
+                        found[key] = value
+            if len(found) == len(keys) or time.monotonic() >= deadline:
+                return found
+            time.sleep(_POLL_SECONDS)
+
+    def forget(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                self.store.delete_key(f"ckptd/{key}")
+            except Exception:  # noqa: BLE001 - some stores cannot delete; keys are small
+                return
+
+
+def rank_failure(failures: dict[int, str], what: str) -> DistributedSaveError:
+    """One error naming every failed rank and its cause."""
+    details = "; ".join(f"rank {rank}: {cause}" for rank, cause in sorted(failures.items()))
+    return DistributedSaveError(f"{what} failed on rank(s) {sorted(failures)}: {details}", sorted(failures))

@@ -1,0 +1,478 @@
+"""One save, from the caller's ``async_save`` to the commit, on one rank or many.
+
+Caller's thread (:meth:`Saver.start`): describe the local state, gather every rank's description
+(the single collective), plan, stage this rank's pieces into its arena.  Completion thread
+(:meth:`Saver.complete`): the coordinator prepares the destination (staging directory, or the
+object-store claim), every rank writes its pieces through its writer process and reports to the
+c10d store, the coordinator checks every report, combines the per-piece checksums, writes the
+indexes, the state file and the manifest last, and posts the outcome, which the other ranks wait
+for.  Every wait has a deadline, and a rank that does not report is named in the error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checksum import crc32c_combine, format_crc
+from .cleanup import Cleanup
+from .commit import ComponentInfo, claim_step, finalize_checkpoint
+from .dist import DistContext, Sharing, normalize_sharing, rank_failure
+from .errors import (
+    CheckpointExistsError,
+    CkptdError,
+    ConfigError,
+    CorruptCheckpointError,
+    DistributedSaveError,
+    WriterError,
+)
+from .flatten import FlatComponent, flatten_component
+from .formats.safetensors import dtype_name
+from .manager import apply_retention, staging_dir_name
+from .manifest import MANIFEST_NAME, FileRecord, Manifest
+from .options import CheckpointerOptions
+from .planner import LocalTensor, RankPlan, SavePlan, plan_save
+from .protocol import FileResult, FileSpec, FilesWritten
+from .request import SaveRequest, SaveResult
+from .staging import StagingArena, StagingPool
+from .storage import Storage
+from .writer import InProcessWriter, WriterClient
+
+__all__ = ["SaveJob", "Saver", "combine_pieces"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Payload:
+    """What one rank contributes to the plan (sent to every rank; picklable)."""
+
+    rank: int
+    locals: tuple[LocalTensor, ...] = ()
+    trees: dict[str, Any] = field(default_factory=dict)
+    tied: dict[str, list[list[str]]] = field(default_factory=dict)
+    sharing: dict[str, str] = field(default_factory=dict)
+    token: str = ""
+    staging: str = ""
+    error: tuple[str, str] | None = None  # (exception type name, message)
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """A staged save waiting for completion."""
+
+    request: SaveRequest
+    arena: StagingArena | None
+    plan: SavePlan
+    payloads: tuple[_Payload, ...]
+    key: str
+    staging: str
+    metadata: dict[str, Any]
+    metrics: dict[str, Any]
+    overwrite: bool
+    started: float
+
+
+def _describe(flat: FlatComponent) -> list[LocalTensor]:
+    out = []
+    for key, tensor in flat.tensors.items():
+        dtype = dtype_name(tensor.dtype, f"{flat.name}.{key}")
+        placement = flat.placements.get(key)
+        if placement is None:
+            shape = tuple(tensor.shape)
+            out.append(LocalTensor(flat.name, key, dtype, shape, (0,) * len(shape), shape))
+        else:
+            out.append(
+                LocalTensor(
+                    flat.name,
+                    key,
+                    dtype,
+                    placement.global_shape,
+                    placement.offset,
+                    tuple(tensor.shape),
+                    sharded=True,
+                    main=placement.main,
+                )
+            )
+    return out
+
+
+def _error_of(payloads: Sequence[_Payload]) -> dict[int, tuple[str, str]]:
+    return {p.rank: p.error for p in payloads if p.error is not None}
+
+
+class Saver:
+    """The save machinery of one :class:`~ckptd.Checkpointer`."""
+
+    def __init__(
+        self,
+        *,
+        root: str,
+        storage: Storage,
+        options: CheckpointerOptions,
+        writer: WriterClient | InProcessWriter,
+        pool: StagingPool,
+        cleanup: Cleanup,
+        dist: DistContext | None,
+    ) -> None:
+        self.root = root
+        self.storage = storage
+        self.options = options
+        self.writer = writer
+        self.pool = pool
+        self.cleanup = cleanup
+        self.dist = dist
+        self.rank = dist.rank if dist else 0
+        self._plan: SavePlan | None = None
+
+    # ---- caller's thread --------------------------------------------------------------------
+
+    def start(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        final: str,
+        *,
+        sharing: Mapping[str, Any] | None,
+        allow_pickle: bool,
+        overwrite: bool,
+        metadata: Mapping[str, Any] | None,
+        metrics: Mapping[str, Any] | None,
+        started: float,
+    ) -> SaveJob:
+        """Describe, gather, plan and stage; returns the job for :meth:`complete`."""
+        own_error: BaseException | None = None
+        flats: list[FlatComponent] = []
+        try:
+            flats = self._flatten(state, sharing or {}, allow_pickle)
+            if self._is_coordinator and not overwrite and self.storage.exists(self.storage.join(final, MANIFEST_NAME)):
+                raise CheckpointExistsError(f"checkpoint {final} already exists; pass overwrite=True to replace it")
+            payload = self._payload(flats, step)
+        except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here below
+            own_error = e
+            payload = _Payload(self.rank, error=(type(e).__name__, str(e)))
+        payloads = tuple(self.dist.all_gather(payload) if self.dist else [payload])
+        errors = _error_of(payloads)
+        if own_error is not None:
+            raise own_error
+        if errors:
+            raise _planning_failure(errors)
+        plan = self._plan_for(payloads)
+        planned = time.perf_counter()
+        coordinator = payloads[self.dist.coordinator if self.dist else 0]
+        key = f"{coordinator.token}"
+        rank_plan = plan.ranks[self.rank]
+        arena: StagingArena | None = None
+        waited = 0.0
+        staged_at = time.perf_counter()
+        try:
+            if rank_plan.pieces:
+                arena, waited = self.pool.acquire(rank_plan)
+                staged_at = time.perf_counter()
+                try:
+                    arena.stage({c.name: c.tensors for c in flats})
+                except BaseException:
+                    self.pool.release(arena)
+                    raise
+        except BaseException as e:
+            self._report_early_failure(key, e)
+            raise
+        done = time.perf_counter()
+        request = SaveRequest(step, final)
+        request.timings.update(plan=planned - started, wait=waited, stage=done - staged_at, blocking=done - started)
+        request.staged.set()
+        return SaveJob(
+            request=request,
+            arena=arena,
+            plan=plan,
+            payloads=payloads,
+            key=key,
+            staging=coordinator.staging or final,
+            metadata=dict(metadata or {}),
+            metrics=dict(metrics or {}),
+            overwrite=overwrite,
+            started=started,
+        )
+
+    @property
+    def _is_coordinator(self) -> bool:
+        return self.dist is None or self.dist.is_coordinator
+
+    def _flatten(self, state: Mapping[str, Any], sharing: Mapping[str, Any], allow_pickle: bool) -> list[FlatComponent]:
+        if not isinstance(state, Mapping) or not state:
+            raise ConfigError("state must be a non-empty mapping of component names to state")
+        unknown = set(sharing) - set(state)
+        if unknown:
+            raise ConfigError(f"sharing names components that are not in the state: {sorted(unknown)}")
+        flats = []
+        for name, value in state.items():
+            pattern, group = normalize_sharing(sharing.get(name, Sharing.REPLICATED))
+            if pattern == Sharing.GLOBAL and not self._is_coordinator:
+                continue
+            flat = flatten_component(name, value, allow_pickle=allow_pickle)
+            if pattern == Sharing.PER_RANK and self.dist is not None:
+                flat = dataclasses.replace(flat, name=f"{name}@rank{self.rank}")
+            elif pattern == Sharing.PER_GROUP and self.dist is not None:
+                import torch.distributed as torch_dist
+
+                leader = min(torch_dist.get_process_group_ranks(group))
+                flat = dataclasses.replace(flat, name=f"{name}@group{leader}")
+            flats.append(flat)
+        return flats
+
+    def _payload(self, flats: list[FlatComponent], step: int) -> _Payload:
+        locals_: list[LocalTensor] = []
+        trees: dict[str, Any] = {}
+        tied: dict[str, list[list[str]]] = {}
+        sharing: dict[str, str] = {}
+        for flat in flats:
+            locals_.extend(_describe(flat))
+            qualified = "@" in flat.name
+            if self._is_coordinator or qualified:
+                trees[flat.name] = flat.tree
+                tied[flat.name] = flat.tied
+                sharing[flat.name] = flat.name.split("@", 1)[1].rstrip("0123456789") if qualified else "replicated"
+        token = secrets.token_hex(8) if self._is_coordinator else ""
+        staging = ""
+        if self._is_coordinator and self.storage.local:
+            staging = self.storage.join(self.root, staging_dir_name(step))
+        return _Payload(self.rank, tuple(locals_), trees, tied, sharing, token, staging)
+
+    def _plan_for(self, payloads: Sequence[_Payload]) -> SavePlan:
+        locals_by_rank = [p.locals for p in payloads]
+        signature = (self.options.max_shard_size, self.storage.local, tuple(tuple(x) for x in locals_by_rank))
+        if self._plan is not None and self._plan.signature == signature:
+            return self._plan
+        self._plan = plan_save(locals_by_rank, self.options.max_shard_size, shared_files=self.storage.local)
+        return self._plan
+
+    def _report_early_failure(self, key: str, error: BaseException) -> None:
+        """This rank failed before it could write: tell the others (nobody waits for us)."""
+        if self.dist is None:
+            return
+        report = {"error": f"{type(error).__name__}: {error}"}
+        self.dist.post(f"{key}/rank{self.rank}", report)
+        if self.dist.is_coordinator:
+            self.dist.post(f"{key}/ready", report)
+            self.dist.post(f"{key}/commit", {"error": f"rank {self.rank}: {report['error']}", "ranks": [self.rank]})
+
+    # ---- completion thread -------------------------------------------------------------------
+
+    def complete(self, job: SaveJob) -> SaveResult:
+        """Write this rank's pieces and take part in the commit; raises on any rank's failure."""
+        timings = dict(job.request.timings)
+        if self.dist is None:
+            return self._complete_alone(job, timings)
+        return self._complete_together(job, timings)
+
+    def _complete_alone(self, job: SaveJob, timings: dict[str, float]) -> SaveResult:
+        try:
+            self._prepare(job)
+            results = self._write(job, timings)
+            manifest = self._commit(job, results, timings)
+        except CheckpointExistsError:
+            if job.staging != job.request.path:
+                self.storage.remove_tree(job.staging)
+            raise  # someone else committed this step: their objects stay
+        except BaseException:
+            self.cleanup.discard(job.staging)
+            raise
+        return self._finish(job, manifest)
+
+    def _complete_together(self, job: SaveJob, timings: dict[str, float]) -> SaveResult:
+        dist = self.dist
+        if dist is None:
+            raise CkptdError("no process group")
+        deadline = time.monotonic() + dist.timeout
+        own_error: BaseException | None = None
+        results: list[FileResult] = []
+        try:
+            if dist.is_coordinator:
+                try:
+                    self._prepare(job)
+                except BaseException as e:
+                    dist.post(f"{job.key}/ready", {"error": f"{type(e).__name__}: {e}"})
+                    raise
+                dist.post(f"{job.key}/ready", {"ok": True})
+            else:
+                self._await_ready(job, deadline)
+            results = self._write(job, timings)
+        except BaseException as e:  # noqa: BLE001 - reported to the coordinator
+            own_error = e
+            self._release(job)
+        report: dict[str, Any] = (
+            {"error": f"{type(own_error).__name__}: {own_error}"}
+            if own_error is not None
+            else {"ok": [dataclasses.asdict(r) for r in results]}
+        )
+        dist.post(f"{job.key}/rank{dist.rank}", report)
+        if not dist.is_coordinator:
+            return self._await_commit(job, deadline, own_error)
+        keys = [f"{job.key}/rank{r}" for r in range(dist.world_size)]
+        reports = dist.wait(keys, deadline, "write reports")
+        failures: dict[int, str] = {}
+        gathered: list[FileResult] = []
+        for rank, key in enumerate(keys):
+            answer = reports.get(key)
+            if answer is None:
+                failures[rank] = f"did not report within {dist.timeout:.0f}s (the process died or hangs)"
+            elif "error" in answer:
+                failures[rank] = answer["error"]
+            else:
+                gathered.extend(FileResult(**r) for r in answer["ok"])
+        try:
+            if failures:
+                raise rank_failure(failures, f"save of step {job.request.step}")
+            manifest = self._commit(job, gathered, timings)
+        except BaseException as e:
+            if not isinstance(e, CheckpointExistsError):
+                self.cleanup.discard(job.staging)
+            ranks = e.ranks if isinstance(e, DistributedSaveError) else [dist.rank]
+            dist.post(f"{job.key}/commit", {"error": str(e), "ranks": ranks})
+            raise
+        dist.post(f"{job.key}/commit", {"ok": sum(f.size for f in manifest.files.values())})
+        dist.forget([*keys, f"{job.key}/ready"])
+        return self._finish(job, manifest)
+
+    def _await_ready(self, job: SaveJob, deadline: float) -> None:
+        dist = self.dist
+        if dist is None:
+            return
+        answer = dist.wait([f"{job.key}/ready"], deadline, "coordinator").get(f"{job.key}/ready")
+        if answer is None:
+            raise DistributedSaveError(
+                f"the coordinator (rank {dist.coordinator}) did not prepare the save within {dist.timeout:.0f}s",
+                [dist.coordinator],
+            )
+        if "error" in answer:
+            raise DistributedSaveError(
+                f"the coordinator could not prepare the save: {answer['error']}", [dist.coordinator]
+            )
+
+    def _await_commit(self, job: SaveJob, deadline: float, own_error: BaseException | None) -> SaveResult:
+        dist = self.dist
+        if dist is None:
+            raise CkptdError("no process group")
+        answer = dist.wait([f"{job.key}/commit"], deadline + 5.0, "commit").get(f"{job.key}/commit")
+        if answer is None:
+            error = DistributedSaveError(
+                f"the coordinator (rank {dist.coordinator}) did not commit step {job.request.step} within "
+                f"{dist.timeout:.0f}s (the process died or hangs)",
+                [dist.coordinator],
+            )
+        elif "error" in answer:
+            error = DistributedSaveError(answer["error"], answer.get("ranks") or [])
+        else:
+            return self._finish(job, None, bytes_written=int(answer["ok"]))
+        if own_error is not None:
+            raise error from own_error
+        raise error
+
+    def _prepare(self, job: SaveJob) -> None:
+        if not self.storage.local:
+            claim_step(self.storage, job.request.path, overwrite=job.overwrite)
+        self.storage.makedirs(job.staging)
+
+    def _write(self, job: SaveJob, timings: dict[str, float]) -> list[FileResult]:
+        started = time.perf_counter()
+        rank_plan: RankPlan = job.plan.ranks[self.rank]
+        try:
+            if not rank_plan.pieces or job.arena is None:
+                return []
+            future = self.writer.write_files(
+                arena_id=job.arena.arena_id,
+                directory=job.staging,
+                files=[
+                    FileSpec(p.file_name, p.arena_offset, p.size, p.file_offset, p.whole_file) for p in rank_plan.pieces
+                ],
+                storage_options=self.options.storage_options,
+                fsync=self.options.fsync,
+                chunk_size=self.options.chunk_size,
+                threads=self.options.write_threads,
+                abandon_directory=job.staging,
+                tuning=dataclasses.asdict(self.options.tuning),
+            )
+            written = future.result()
+        finally:
+            self._release(job)
+            timings["write"] = time.perf_counter() - started
+        if not isinstance(written, FilesWritten):
+            raise WriterError(f"unexpected writer answer {written!r}")
+        return list(written.results)
+
+    def _release(self, job: SaveJob) -> None:
+        if job.arena is not None and job.arena.busy:
+            self.pool.release(job.arena)
+
+    def _commit(self, job: SaveJob, results: Sequence[FileResult], timings: dict[str, float]) -> Manifest:
+        trees: dict[str, Any] = {}
+        tied: dict[str, list[list[str]]] = {}
+        sharing: dict[str, str] = {}
+        for payload in job.payloads:
+            for name, tree in payload.trees.items():
+                trees.setdefault(name, tree)
+                tied.setdefault(name, payload.tied.get(name, []))
+                sharing.setdefault(name, payload.sharing.get(name, "replicated"))
+        return finalize_checkpoint(
+            self.storage,
+            job.staging,
+            job.request.path,
+            step=job.request.step,
+            written=combine_pieces(job.plan, results),
+            expected_sizes={f.file_name: f.size for f in job.plan.files},
+            tensors=job.plan.tensors,
+            components=[ComponentInfo(name, "safetensors", tied[name], sharing=sharing[name]) for name in trees],
+            trees=trees,
+            metadata=job.metadata,
+            metrics=job.metrics,
+            timings=timings,
+            overwrite=job.overwrite,
+            fsync=self.options.fsync,
+            world_size=job.plan.world_size,
+        )
+
+    def _finish(self, job: SaveJob, manifest: Manifest | None, bytes_written: int = 0) -> SaveResult:
+        if manifest is not None:
+            if self.options.keep_last is not None:
+                apply_retention(self.storage, self.root, self.options.keep_last, protect={job.request.path})
+            job.request.timings.update(manifest.timings)
+            bytes_written = sum(f.size for f in manifest.files.values())
+        job.request.timings["total"] = time.perf_counter() - job.started
+        return SaveResult(job.request.step, job.request.path, bytes_written, dict(job.request.timings))
+
+
+def combine_pieces(plan: SavePlan, results: Sequence[FileResult]) -> dict[str, FileRecord]:
+    """File records from per-piece write results: every file must be covered exactly, in order;
+    the pieces' CRC32Cs combine into the file's."""
+    by_file: dict[str, list[FileResult]] = {}
+    for result in results:
+        by_file.setdefault(result.name, []).append(result)
+    records: dict[str, FileRecord] = {}
+    for file in plan.files:
+        pieces = sorted(by_file.get(file.file_name, []), key=lambda r: r.file_offset)
+        position = 0
+        value = 0
+        for piece in pieces:
+            if piece.file_offset != position:
+                raise CorruptCheckpointError(
+                    f"{file.file_name}: bytes {position}-{piece.file_offset} were not written by any rank"
+                )
+            value = crc32c_combine(value, piece.crc32c, piece.size) if position else piece.crc32c
+            position += piece.size
+        if position != file.size:
+            raise CorruptCheckpointError(f"{file.file_name}: {position} of {file.size} bytes were written")
+        records[file.file_name] = FileRecord(file.size, format_crc(value))
+    return records
+
+
+def _planning_failure(errors: dict[int, tuple[str, str]]) -> Exception:
+    if len({kind for kind, _ in errors.values()}) == 1:
+        kind, message = next(iter(errors.values()))
+        if kind == "CheckpointExistsError":
+            return CheckpointExistsError(message)
+    return rank_failure({r: f"{kind}: {message}" for r, (kind, message) in errors.items()}, "planning the save")
