@@ -19,7 +19,11 @@ __all__ = [
     "RNGState",
     "SaveRequest",
     "SaveResult",
+    "ShardedTensor",
+    "Sharing",
+    "TensorInfo",
     "__version__",
+    "consolidate",
     "create_sharing_metadata",
     "errors",
     "find_latest_checkpoint",
@@ -31,6 +35,7 @@ __all__ = [
     "load_shard_index",
     "load_sharded_checkpoint",
     "load_sharded_state_dict",
+    "load_tensors_metadata",
     "make_shard_index",
     "maybe_delete_oldest_checkpoint",
     "next_checkpoint_path",
@@ -41,6 +46,7 @@ __all__ = [
     "save_sharded_checkpoint",
     "save_sharded_model",
     "validate_checkpoint",
+    "validate_sharding",
 ]
 
 _WHERE = {
@@ -51,6 +57,12 @@ _WHERE = {
     "RNGState": "rng",
     "SaveRequest": "request",
     "SaveResult": "request",
+    "ShardedTensor": "sharding",
+    "Sharing": "dist",
+    "TensorInfo": "api",
+    "consolidate": "consolidate",
+    "load_tensors_metadata": "api",
+    "validate_sharding": "sharding",
     "create_sharing_metadata": "restore",
     "find_latest_checkpoint": "manager",
     "get_checkpoint_metadata": "api",
@@ -77,6 +89,7 @@ if TYPE_CHECKING:
     from . import errors
     from .api import (
         CheckpointMeta,
+        TensorInfo,
         get_checkpoint_metadata,
         index_file_name,
         is_in_safetensors_format,
@@ -84,6 +97,7 @@ if TYPE_CHECKING:
         load_shard_index,
         load_sharded_checkpoint,
         load_sharded_state_dict,
+        load_tensors_metadata,
         make_shard_index,
         save_checkpoint,
         save_shard_index,
@@ -92,6 +106,8 @@ if TYPE_CHECKING:
         validate_checkpoint,
     )
     from .checkpointer import Checkpointer
+    from .consolidate import consolidate
+    from .dist import Sharing
     from .loader import CheckpointReader
     from .manager import (
         CheckpointInfo,
@@ -104,6 +120,7 @@ if TYPE_CHECKING:
     from .request import SaveRequest, SaveResult
     from .restore import create_sharing_metadata, retie_parameters
     from .rng import RNGState
+    from .sharding import ShardedTensor, validate_sharding
 
 
 def __getattr__(name: str) -> Any:

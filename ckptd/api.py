@@ -21,6 +21,7 @@ from ._version import __version__
 from .checksum import crc32c, format_crc
 from .errors import ConfigError, CorruptCheckpointError, KeyMismatchError
 from .flatten import find_tied_groups
+from .formats.safetensors import dtype_from_name
 from .formats.torch_bin import save_bin_bytes
 from .loader import (
     SAFETENSORS_INDEX,
@@ -38,6 +39,7 @@ from .storage import Storage, check_file_name, is_local, local_path, storage_for
 
 __all__ = [
     "CheckpointMeta",
+    "TensorInfo",
     "ShardIndex",
     "SharingMetadataT",
     "StateDictLike",
@@ -49,6 +51,7 @@ __all__ = [
     "load_shard_index",
     "load_sharded_checkpoint",
     "load_sharded_state_dict",
+    "load_tensors_metadata",
     "make_shard_index",
     "retie_parameters",
     "save_checkpoint",
@@ -63,6 +66,30 @@ ShardIndex = dict[str, dict[str, Any]]
 SharingMetadataT = list[list[str]]
 
 _SHARD_RE = re.compile(r"^(?:model|pytorch_model)-\d{5}-of-\d{5}\.(?:safetensors|bin)$")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A stored tensor's dtype and global shape (what :func:`load_tensors_metadata` returns)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def load_tensors_metadata(
+    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> dict[str, dict[str, TensorInfo]]:
+    """Global shapes and dtypes of every tensor, per component, without reading tensor data
+    (ckptd: from the manifest; HF checkpoints: from the shard headers)."""
+    reader = CheckpointReader.open(path, storage_options)
+    out: dict[str, dict[str, TensorInfo]] = {}
+    for component in reader.components():
+        records = reader.locate(component) if reader.kind != "torch_bin_sharded" else {}
+        aliases = {k: a for group in reader.tied_groups(component) for k in group[1:] for a in group[:1]}
+        infos = {key: TensorInfo(dtype_from_name(r.dtype), tuple(r.shape)) for key, r in records.items()}
+        infos.update({alias: infos[stored] for alias, stored in aliases.items() if stored in infos})
+        out[component] = infos
+    return out
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .cleanup import Cleanup
-from .dist import DistContext
+from .dist import DistContext, Sharing, normalize_sharing
 from .errors import CheckpointNotFoundError, CkptdError, ConfigError
 from .loader import CheckpointReader
 from .manager import (
@@ -34,7 +34,7 @@ from .manager import (
 from .manifest import Manifest
 from .options import CheckpointerOptions
 from .request import SaveRequest, SaveResult
-from .restore import read_components, restore_components
+from .restore import read_components, resolve_component, restore_components
 from .saving import SaveJob, Saver
 from .staging import StagingPool
 from .storage import in_process_only, is_local, local_path, storage_for
@@ -272,6 +272,7 @@ class Checkpointer:
         verify: bool = False,
         allow_pickle: bool | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        sharing: Mapping[str, Any] | None = None,
     ) -> Any:
         """Load a committed checkpoint (``"latest"``, a step, or a checkpoint path).
 
@@ -284,6 +285,11 @@ class Checkpointer:
 
         File sizes are always checked; ``verify=True`` also checks CRC32C of the files read.
         ``cache_dir`` (default: the Checkpointer's) keeps local copies of remote files read.
+
+        Every rank loads on its own (no collective): DTensors and :class:`~ckptd.ShardedTensor`
+        targets receive exactly their piece, whatever world size and layout the checkpoint was
+        saved with; components saved per rank come back as this rank's copy;
+        ``sharing={"model": ("per_group", group)}`` picks this group's copy of a per-group save.
         """
         self._check_open()
         reader = CheckpointReader.open(
@@ -294,19 +300,39 @@ class Checkpointer:
             tuning=self.options.tuning,
         )
         pickle_ok = self.options.allow_pickle if allow_pickle is None else allow_pickle
+        rank = self._dist.rank if self._dist else 0
+        groups = _group_leaders(sharing)
         if into is not None:
             restore_components(
-                reader, into, strict=strict, assign=assign, device=device, verify=verify, allow_pickle=pickle_ok
+                reader,
+                into,
+                strict=strict,
+                assign=assign,
+                device=device,
+                verify=verify,
+                allow_pickle=pickle_ok,
+                rank=rank,
+                groups=groups,
             )
             return None
         if keys is not None:
-            return self._load_keys(reader, keys, device=device, verify=verify)
-        return read_components(reader, components, device=device, verify=verify, allow_pickle=pickle_ok)
+            return self._load_keys(reader, keys, device=device, verify=verify, rank=rank, groups=groups)
+        return read_components(
+            reader, components, device=device, verify=verify, allow_pickle=pickle_ok, rank=rank, groups=groups
+        )
 
     @staticmethod
-    def _load_keys(reader: CheckpointReader, keys: Iterable[str], *, device: Any, verify: bool) -> dict[str, Any]:
+    def _load_keys(
+        reader: CheckpointReader,
+        keys: Iterable[str],
+        *,
+        device: Any,
+        verify: bool,
+        rank: int,
+        groups: dict[str, int],
+    ) -> dict[str, Any]:
         wanted: dict[str, list[str]] = {}
-        names = sorted(reader.components(), key=len, reverse=True)
+        names = sorted({c.split("@", 1)[0] for c in reader.components()}, key=len, reverse=True)
         for qualified in keys:
             component = next((n for n in names if qualified.startswith(n + ".")), None)
             if component is None:
@@ -314,7 +340,10 @@ class Checkpointer:
                     f"key {qualified!r} must start with a component name and a dot (components: {sorted(names)})"
                 )
             wanted.setdefault(component, []).append(qualified[len(component) + 1 :])
-        return {c: reader.read(c, ks, device=device, verify=verify) for c, ks in wanted.items()}
+        return {
+            c: reader.read(resolve_component(reader, c, rank, groups), ks, device=device, verify=verify)
+            for c, ks in wanted.items()
+        }
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -383,6 +412,17 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root!r})"
+
+
+def _group_leaders(sharing: Mapping[str, Any] | None) -> dict[str, int]:
+    leaders: dict[str, int] = {}
+    for name, value in (sharing or {}).items():
+        pattern, group = normalize_sharing(value)
+        if pattern == Sharing.PER_GROUP:
+            import torch.distributed as torch_dist
+
+            leaders[name] = min(torch_dist.get_process_group_ranks(group))
+    return leaders
 
 
 def _register_atexit(checkpointer: Checkpointer) -> Any:

@@ -132,6 +132,22 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    from .consolidate import consolidate
+
+    manifest = consolidate(
+        args.source,
+        args.destination,
+        max_shard_size=args.max_shard_size,
+        storage_options=args.storage_options,
+        destination_storage_options=args.storage_options,
+        verify=args.verify,
+    )
+    total = sum(f.size for f in manifest.files.values())
+    print(f"consolidated {args.source} into {args.destination}: {len(manifest.files)} files, {total} bytes")
+    return 0
+
+
 def _cmd_gc(args: argparse.Namespace) -> int:
     from .manager import collect_garbage
 
@@ -169,6 +185,14 @@ def _parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="check sizes and CRC32C of every file of a checkpoint")
     verify.add_argument("path")
     verify.set_defaults(func=_cmd_verify)
+    consolidate = sub.add_parser(
+        "consolidate", help="rewrite a checkpoint with whole tensors in HF-style shards (bounded memory)"
+    )
+    consolidate.add_argument("source")
+    consolidate.add_argument("destination")
+    consolidate.add_argument("--max-shard-size", default="2GB")
+    consolidate.add_argument("--verify", action="store_true", help="check the source's CRC32C first")
+    consolidate.set_defaults(func=_cmd_consolidate)
     gc = sub.add_parser("gc", help="remove what crashed saves left (staging directories, unfinished prefixes)")
     gc.add_argument("root")
     gc.add_argument("--older-than", type=float, default=24 * 3600, help="seconds, for other hosts' leftovers")

@@ -115,14 +115,26 @@ class DistContext:
 
     def post(self, key: str, value: dict[str, Any]) -> None:
         """Publish ``value`` (JSON) under ``key`` for the other ranks."""
-        self.store.set(f"ckptd/{key}", json.dumps(value))
+        try:
+            self.store.set(f"ckptd/{key}", json.dumps(value))
+        except Exception as e:
+            raise self._lost(e) from e
 
     def poll(self, key: str) -> dict[str, Any] | None:
         """The value under ``key`` if it was posted, else ``None`` (never blocks)."""
         full = f"ckptd/{key}"
-        if not self.store.check([full]):
-            return None
-        return json.loads(self.store.get(full))
+        try:
+            if not self.store.check([full]):
+                return None
+            return json.loads(self.store.get(full))
+        except Exception as e:
+            raise self._lost(e) from e
+
+    def _lost(self, error: BaseException) -> DistributedSaveError:
+        return DistributedSaveError(
+            f"lost contact with the c10d store (hosted by the process of global rank 0; did it exit?): {error}",
+            [0],
+        )
 
     def wait(self, keys: list[str], deadline: float, what: str) -> dict[str, dict[str, Any]]:
         """Wait until every key is posted; returns what was posted so far when the deadline

@@ -36,6 +36,7 @@ __all__ = [
     "find_tied_groups",
     "flatten_component",
     "restore_tree",
+    "tensor_leaves",
     "tree_tensor_keys",
 ]
 
@@ -100,7 +101,8 @@ def flatten_component(name: str, value: Any, *, allow_pickle: bool = False) -> F
 def find_tied_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
     """Groups of keys whose tensors are the same view of the same storage (tied parameters)."""
     by_view: dict[tuple[Any, ...], list[str]] = {}
-    for key, tensor in tensors.items():
+    for key, value in tensors.items():
+        tensor = value.to_local() if is_dtensor(value) else value  # type: ignore[attr-defined]
         if tensor.numel() == 0 or tensor.device.type == "meta":
             continue
         identity = (
@@ -115,12 +117,23 @@ def find_tied_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
     return [keys for keys in by_view.values() if len(keys) > 1]
 
 
+def tensor_leaves(name: str, value: Any) -> dict[str, Any]:
+    """The tensors of a component's current state under the keys a save would give them (DTensor
+    and :class:`~ckptd.ShardedTensor` leaves as they are): the in-place targets of a load.
+    Values that could not be saved are skipped, not refused."""
+    encoder = _Encoder(name, allow_pickle=False, lenient=True)
+    encoder.encode(component_state(value), (), top=True)
+    return encoder.leaves
+
+
 class _Encoder:
-    def __init__(self, component: str, allow_pickle: bool) -> None:
+    def __init__(self, component: str, allow_pickle: bool, lenient: bool = False) -> None:
         self.component = component
         self.allow_pickle = allow_pickle
+        self.lenient = lenient
         self.tensors: dict[str, torch.Tensor] = {}
         self.placements: dict[str, Placement] = {}
+        self.leaves: dict[str, Any] = {}
 
     def _where(self, path: tuple[str, ...]) -> str:
         return ".".join((self.component, *path)) if path else self.component
@@ -140,14 +153,18 @@ class _Encoder:
                 raise UnsupportedValueError(f"sharded tensor {value.key!r} at {self._where(path)!r} has no data")
             key = self._add_tensor(value.data, path, key=value.key)
             self.placements[key] = Placement(value.global_shape, value.global_offset, is_main_replica(value.replica_id))
+            self.leaves[key] = value
             return {TAG: "tensor", "key": key, "sharded": "sharded_tensor"}
         if is_dtensor(value):
             local, global_shape, offset, replica = describe_dtensor(value)
             key = self._add_tensor(local, path)
             self.placements[key] = Placement(global_shape, offset, is_main_replica(replica))
+            self.leaves[key] = value
             return {TAG: "tensor", "key": key, "sharded": "dtensor"}
         if isinstance(value, torch.Tensor):
-            return {TAG: "tensor", "key": self._add_tensor(value, path)}
+            key = self._add_tensor(value, path)
+            self.leaves[key] = value
+            return {TAG: "tensor", "key": key}
         if value is None or isinstance(value, (bool, str)):
             return value
         if isinstance(value, int):
@@ -178,6 +195,8 @@ class _Encoder:
             return encoded
         if not top and hasattr(value, "state_dict") and callable(value.state_dict):
             return self.encode(value.state_dict(), path)
+        if self.lenient:
+            return None
         if self.allow_pickle:
             return {TAG: "pickle", "b64": base64.b64encode(pickle.dumps(value)).decode("ascii")}
         raise UnsupportedValueError(

@@ -6,19 +6,23 @@ parameters sharing storage; :func:`retie_parameters` makes them share again afte
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
 import torch
 
 from .errors import ConfigError, KeyMismatchError
-from .flatten import find_tied_groups, restore_tree, tree_tensor_keys
+from .flatten import find_tied_groups, restore_tree, tensor_leaves, tree_tensor_keys
+from .formats.safetensors import dtype_from_name
 from .loader import CheckpointReader
+from .sharding import is_dtensor
 
 __all__ = [
     "create_sharing_metadata",
     "load_into_module",
     "read_components",
+    "resolve_component",
     "restore_components",
     "retie_parameters",
 ]
@@ -86,7 +90,7 @@ def load_into_module(
             f"{reader.directory}: checkpoint does not match the module: "
             f"missing {_preview(missing)}; unexpected {_preview(unexpected)} (pass strict=False to ignore)"
         )
-    if assign:
+    if assign and not any(is_dtensor(t) for t in tensor_state.values()):
         loaded = reader.read(component, wanted, device=device, verify=verify)
         module.load_state_dict(loaded, strict=False, assign=True)
     else:
@@ -96,6 +100,36 @@ def load_into_module(
     return set(missing)
 
 
+def resolve_component(reader: CheckpointReader, name: str, rank: int, groups: Mapping[str, int] | None = None) -> str:
+    """The stored component behind a requested name: ``rng`` is ``rng@rank3`` on rank 3 when it
+    was saved per rank, ``model@group4`` for a per-group save whose group leader is rank 4."""
+    known = set(reader.components()) | set(reader.state_trees())
+    if name in known:
+        return name
+    for qualified in (f"{name}@rank{rank}", f"{name}@group{(groups or {}).get(name, -1)}"):
+        if qualified in known:
+            return qualified
+    variants = sorted(k for k in known if k.startswith(f"{name}@"))
+    if variants:
+        raise KeyMismatchError(
+            f"{reader.directory}: component {name!r} was saved per rank or per group ({', '.join(variants[:4])}...) "
+            f"and has no copy for rank {rank}"
+        )
+    logical = sorted({k.split("@", 1)[0] for k in known})
+    raise KeyMismatchError(f"{reader.directory}: no component {name!r} (has {logical})")
+
+
+def _logical_names(reader: CheckpointReader, rank: int) -> list[str]:
+    names: list[str] = []
+    for stored in [*reader.components(), *reader.state_trees()]:
+        logical, _, qualifier = stored.partition("@")
+        if qualifier and qualifier != f"rank{rank}" and not qualifier.startswith("group"):
+            continue
+        if logical not in names:
+            names.append(logical)
+    return names
+
+
 def read_components(
     reader: CheckpointReader,
     components: Iterable[str] | None = None,
@@ -103,24 +137,35 @@ def read_components(
     device: str | torch.device = "cpu",
     verify: bool = False,
     allow_pickle: bool = False,
+    rank: int = 0,
+    groups: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """Every (or the named) component rebuilt as saved: nested state with tensors on ``device``."""
+    """Every (or the named) component rebuilt as saved: nested state with whole tensors on
+    ``device`` (sharded tensors are assembled); per-rank components are this ``rank``'s copy."""
     trees = reader.state_trees(verify=verify)
-    names = list(components) if components is not None else list(dict.fromkeys([*reader.components(), *trees]))
+    names = list(components) if components is not None else _logical_names(reader, rank)
     out: dict[str, Any] = {}
     for name in names:
-        if name not in trees and name not in reader.components():
-            raise KeyMismatchError(
-                f"{reader.directory}: no component {name!r} (has {sorted({*trees, *reader.components()})})"
-            )
-        tree = trees.get(name)
-        if tree is None:
-            out[name] = reader.read(name, device=device, verify=verify)
-            continue
-        keys = tree_tensor_keys(tree)
-        tensors = reader.read(name, keys, device=device, verify=verify) if keys else {}
-        out[name] = restore_tree(tree, tensors, allow_pickle=allow_pickle, where=f"{reader.directory}:{name}")
+        stored = resolve_component(reader, name, rank, groups)
+        out[name] = _read_value(reader, stored, trees.get(stored), {}, device, verify, allow_pickle)
     return out
+
+
+def _read_value(
+    reader: CheckpointReader,
+    stored: str,
+    tree: Any,
+    targets: Mapping[str, Any],
+    device: str | torch.device,
+    verify: bool,
+    allow_pickle: bool,
+) -> Any:
+    if tree is None:
+        return reader.read(stored, device=device, targets=targets, verify=verify)
+    keys = tree_tensor_keys(tree)
+    wanted = {k: t for k, t in targets.items() if k in set(keys)}
+    tensors = reader.read(stored, keys, device=device, targets=wanted, verify=verify) if keys else {}
+    return restore_tree(tree, tensors, allow_pickle=allow_pickle, where=f"{reader.directory}:{stored}")
 
 
 def restore_components(
@@ -132,21 +177,29 @@ def restore_components(
     device: str | torch.device = "cpu",
     verify: bool = False,
     allow_pickle: bool = False,
+    rank: int = 0,
+    groups: Mapping[str, int] | None = None,
 ) -> None:
-    """Restore each ``into[name]`` in place from the checkpoint's component ``name``."""
+    """Restore each ``into[name]`` in place from the checkpoint's component ``name``.
+
+    Tensors the target already holds are filled in place (only their own piece for DTensors and
+    :class:`~ckptd.ShardedTensor`, whatever layout the checkpoint was saved in); an optimizer
+    with no state yet gets state shaped and sharded like its parameters.
+    """
     trees = reader.state_trees(verify=verify)
-    known = {*trees, *reader.components()}
-    absent = [name for name in into if name not in known]
-    if absent:
-        raise KeyMismatchError(f"{reader.directory}: no component(s) {absent} in the checkpoint (has {sorted(known)})")
+    stored_names = {name: resolve_component(reader, name, rank, groups) for name in into}
     for name, target in into.items():
+        stored = stored_names[name]
         if isinstance(target, torch.nn.Module):
-            load_into_module(reader, name, target, strict=strict, assign=assign, device=device, verify=verify)
-            extras = _non_tensor_entries(trees.get(name), allow_pickle, f"{reader.directory}:{name}")
+            load_into_module(reader, stored, target, strict=strict, assign=assign, device=device, verify=verify)
+            extras = _non_tensor_entries(trees.get(stored), allow_pickle, f"{reader.directory}:{stored}")
             if extras:
                 target.load_state_dict(extras, strict=False)
             continue
-        value = read_components(reader, [name], device=device, verify=verify, allow_pickle=allow_pickle)[name]
+        targets = tensor_leaves(name, target)
+        if isinstance(target, torch.optim.Optimizer):
+            targets = {**_optimizer_state_targets(reader, stored, target), **targets}
+        value = _read_value(reader, stored, trees.get(stored), targets, device, verify, allow_pickle)
         if callable(getattr(target, "load_state_dict", None)):
             target.load_state_dict(value)
         elif isinstance(target, MutableMapping):
@@ -156,6 +209,35 @@ def restore_components(
                 f"cannot restore component {name!r} into a {type(target).__name__}: "
                 "pass an object with load_state_dict() or a mutable mapping"
             )
+
+
+_OPTIMIZER_STATE_KEY = re.compile(r"^state\.(\d+)\.(.+)$")
+
+
+def _optimizer_state_targets(reader: CheckpointReader, component: str, optimizer: Any) -> dict[str, Any]:
+    """Targets for an optimizer's saved per-parameter state, shaped and sharded like the
+    parameters it belongs to (so Adam moments saved at N ranks load at M ranks)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    targets: dict[str, Any] = {}
+    for key in reader.keys(component):
+        match = _OPTIMIZER_STATE_KEY.match(key)
+        if not match or int(match.group(1)) >= len(params):
+            continue
+        param = params[int(match.group(1))]
+        record = reader.record(component, key)
+        if record is None or tuple(record.shape) != tuple(param.shape):
+            continue
+        dtype = dtype_from_name(record.dtype)
+        if is_dtensor(param):
+            from torch.distributed.tensor import DTensor
+
+            local = torch.empty(param.to_local().shape, dtype=dtype, device=param.to_local().device)
+            targets[key] = DTensor.from_local(
+                local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
+        else:
+            targets[key] = torch.empty(param.shape, dtype=dtype, device=param.device)
+    return targets
 
 
 def _non_tensor_entries(tree: Any, allow_pickle: bool, where: str) -> dict[str, Any]:
@@ -172,6 +254,8 @@ def _update_mapping(target: MutableMapping[Any, Any], value: Any) -> None:
         raise ConfigError(f"cannot restore a {type(value).__name__} into a mapping")
     for key, new in value.items():
         old = target.get(key)
+        if new is old:
+            continue  # a sharded or tensor target, filled in place
         if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.shape == new.shape:
             with torch.no_grad():
                 old.copy_(new)

@@ -255,7 +255,7 @@ class Saver:
         """This rank failed before it could write: tell the others (nobody waits for us)."""
         if self.dist is None:
             return
-        report = {"error": f"{type(error).__name__}: {error}"}
+        report = {"error": f"{type(error).__name__}: {error}", "early": True}
         self.dist.post(f"{key}/rank{self.rank}", report)
         if self.dist.is_coordinator:
             self.dist.post(f"{key}/ready", report)
@@ -317,12 +317,16 @@ class Saver:
         reports = dist.wait(keys, deadline, "write reports")
         failures: dict[int, str] = {}
         gathered: list[FileResult] = []
+        gone: set[int] = set()  # ranks that will not read the outcome
         for rank, key in enumerate(keys):
             answer = reports.get(key)
             if answer is None:
                 failures[rank] = f"did not report within {dist.timeout:.0f}s (the process died or hangs)"
+                gone.add(rank)
             elif "error" in answer:
                 failures[rank] = answer["error"]
+                if answer.get("early"):
+                    gone.add(rank)
             else:
                 gathered.extend(FileResult(**r) for r in answer["ok"])
         try:
@@ -334,10 +338,23 @@ class Saver:
                 self.cleanup.discard(job.staging)
             ranks = e.ranks if isinstance(e, DistributedSaveError) else [dist.rank]
             dist.post(f"{job.key}/commit", {"error": str(e), "ranks": ranks})
+            self._await_acks(job, keys, gone)
             raise
         dist.post(f"{job.key}/commit", {"ok": sum(f.size for f in manifest.files.values())})
-        dist.forget([*keys, f"{job.key}/ready"])
+        self._await_acks(job, keys, gone)
         return self._finish(job, manifest)
+
+    def _await_acks(self, job: SaveJob, keys: list[str], gone: set[int]) -> None:
+        """Wait until every rank has read the outcome: the store lives in the coordinator's
+        process, which may exit as soon as this save is done."""
+        dist = self.dist
+        if dist is None:
+            return
+        acks = [f"{job.key}/ack{r}" for r in range(dist.world_size) if r != dist.rank and r not in gone]
+        found = dist.wait(acks, time.monotonic() + min(dist.timeout, 60.0), "acknowledgements")
+        if len(found) < len(acks):
+            logger.warning("ckptd: ranks %s did not acknowledge the commit", sorted(set(acks) - set(found)))
+        dist.forget([*keys, *acks, f"{job.key}/ready", f"{job.key}/commit"])
 
     def _await_ready(self, job: SaveJob, deadline: float) -> None:
         dist = self.dist
@@ -359,6 +376,8 @@ class Saver:
         if dist is None:
             raise CkptdError("no process group")
         answer = dist.wait([f"{job.key}/commit"], deadline + 5.0, "commit").get(f"{job.key}/commit")
+        if answer is not None:
+            dist.post(f"{job.key}/ack{dist.rank}", {"ok": True})
         if answer is None:
             error = DistributedSaveError(
                 f"the coordinator (rank {dist.coordinator}) did not commit step {job.request.step} within "

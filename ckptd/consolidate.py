@@ -1,0 +1,115 @@
+"""Consolidation: any ckptd checkpoint → a self-contained one with whole tensors (HF-compatible).
+
+Tensors saved as pieces (sharded saves that could not write whole tensors, e.g. tensor-parallel
+splits along dim 1 or saves to object stores) are assembled one at a time and streamed into new
+shard files, so memory stays bounded by the largest tensor, whatever the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ._version import __version__
+from .checksum import crc32c, format_crc
+from .commit import ComponentInfo, claim_step, finalize_checkpoint
+from .loader import CheckpointReader, tensor_memoryview
+from .manifest import FileRecord, Manifest, TensorRecord
+from .options import DEFAULT_MAX_SHARD_SIZE, parse_size
+from .planner import FileLayout, WriteItem, bucket_items, plan_file, shard_file_name
+from .storage import is_local, local_path, storage_for
+
+__all__ = ["consolidate"]
+
+
+def consolidate(
+    source: str | os.PathLike[str],
+    destination: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    storage_options: dict[str, Any] | None = None,
+    destination_storage_options: dict[str, Any] | None = None,
+    verify: bool = False,
+) -> Manifest:
+    """Write ``source`` (a committed ckptd checkpoint) as a new checkpoint at ``destination``
+    where every tensor is stored whole, in HF-style shards with an index per component.
+
+    Tensors are read and written one at a time.  The result keeps the source's components,
+    non-tensor state, tied groups, step, metadata and metrics; its manifest is written last.
+    """
+    reader = CheckpointReader.open(source, storage_options, require_manifest=True)
+    manifest = reader.manifest
+    if manifest is None:  # pragma: no cover - require_manifest guarantees it
+        raise ValueError("not a ckptd checkpoint")
+    if verify:
+        reader.verify()
+    limit = parse_size(max_shard_size, "max_shard_size")
+    target = os.fspath(destination)
+    storage = storage_for(target, destination_storage_options)
+    final = local_path(target) if is_local(target) else target.rstrip("/")
+    started = time.perf_counter()
+    if storage.local:
+        parent, base = os.path.split(final)
+        staging = os.path.join(parent, f".{base}.tmp-{secrets.token_hex(4)}")
+    else:
+        staging = final
+        claim_step(storage, final, overwrite=False)
+    storage.makedirs(staging)
+    try:
+        written: dict[str, FileRecord] = {}
+        tensors: dict[str, dict[str, TensorRecord]] = {}
+        for name, component in manifest.components.items():
+            items = [WriteItem(name, key, record.dtype, record.shape) for key, record in component.tensors.items()]
+            if not items:
+                continue
+            buckets = [b for b in bucket_items(items, limit) if b]
+            for number, bucket in enumerate(buckets, start=1):
+                layout = plan_file(name, shard_file_name(name, number, len(buckets)), bucket)
+                path = storage.join(staging, layout.file_name)
+                checksum = [0]
+                storage.write_stream(path, _stream(reader, layout, checksum))
+                written[layout.file_name] = FileRecord(layout.size, format_crc(checksum[0]))
+                for index, item in enumerate(layout.items):
+                    start = layout.item_file_offset(index)
+                    tensors.setdefault(name, {})[item.key] = TensorRecord.whole(
+                        item.dtype, item.shape, layout.file_name, start, start + item.nbytes
+                    )
+        trees = reader.state_trees()
+        return finalize_checkpoint(
+            storage,
+            staging,
+            final,
+            step=manifest.step,
+            written=written,
+            expected_sizes={name: record.size for name, record in written.items()},
+            tensors={
+                name: {k: tensors[name][k] for k in c.tensors}
+                for name, c in manifest.components.items()
+                if name in tensors
+            },
+            components=[
+                ComponentInfo(name, "safetensors", c.tied, sharing=c.sharing) for name, c in manifest.components.items()
+            ],
+            trees=trees if manifest.state_file else None,
+            metadata={**manifest.metadata, "consolidated_from": os.fspath(source), "consolidated_by": __version__},
+            metrics=manifest.metrics,
+            timings={"consolidate": time.perf_counter() - started},
+            world_size=1,
+        )
+    except BaseException:
+        storage.discard(staging)
+        raise
+
+
+def _stream(reader: CheckpointReader, layout: FileLayout, checksum: list[int]) -> Iterator[memoryview]:
+    checksum[0] = crc32c(layout.header)
+    yield memoryview(layout.header)
+    for item in layout.items:
+        tensor = reader.read(layout.component, [item.key])[item.key].contiguous()
+        view = tensor_memoryview(tensor)
+        checksum[0] = crc32c(view, checksum[0])
+        yield view
+        del tensor, view

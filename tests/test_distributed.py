@@ -1,0 +1,413 @@
+"""Multi-rank saves and loads on real gloo process groups (world sizes 2-4, several processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+from conftest import assert_same
+from distributed import run_ranks
+
+import ckptd
+from ckptd.errors import DistributedSaveError, ShardingError
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.distributed]
+
+ROWS, COLS = 10, 6  # 10 rows split over 4 ranks is uneven (3, 3, 2, 2) and over 3 too
+
+
+def full_weights() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    return {
+        "rows": torch.randn(ROWS, COLS, generator=generator),
+        "cols": torch.randn(ROWS, COLS, generator=generator).bfloat16(),
+        "bias": torch.randn(COLS, generator=generator),
+        "steps": torch.tensor(7),
+    }
+
+
+def split(size: int, parts: int, index: int) -> tuple[int, int]:
+    """Start and length of piece ``index`` when ``size`` is split as evenly as possible."""
+    base, extra = divmod(size, parts)
+    start = index * base + min(index, extra)
+    return start, base + (1 if index < extra else 0)
+
+
+def sharded_state(rank: int, world: int, weights: dict[str, torch.Tensor]) -> dict[str, object]:
+    """rows: sharded on dim 0 (uneven), cols: sharded on dim 1, bias/steps: replicated."""
+    r0, rn = split(ROWS, world, rank)
+    c0, cn = split(COLS, world, rank)
+    return {
+        "rows": ckptd.ShardedTensor("rows", weights["rows"][r0 : r0 + rn].clone(), (ROWS, COLS), (r0, 0)),
+        "cols": ckptd.ShardedTensor("cols", weights["cols"][:, c0 : c0 + cn].clone(), (ROWS, COLS), (0, c0)),
+        "bias": weights["bias"].clone(),
+        "steps": weights["steps"].clone(),
+    }
+
+
+def bytes_read() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+# ---- save at N, load at M --------------------------------------------------------------------
+
+
+def save_sharded(rank: int, world: int, root: str) -> dict[str, object]:
+    weights = full_weights()
+    with ckptd.Checkpointer(root, dist_timeout=60) as ckpt:
+        result = ckpt.async_save(1, {"model": sharded_state(rank, world, weights)}).wait(120)
+        written = ckpt._saver._plan.ranks[rank].bytes
+    return {"path": result.path, "written": written}
+
+
+def load_resharded(rank: int, world: int, root: str) -> dict[str, object]:
+    weights = full_weights()
+    targets = sharded_state(rank, world, {k: torch.zeros_like(v) for k, v in weights.items()})
+    with ckptd.Checkpointer(root, dist_timeout=60) as ckpt:
+        manifest = ckpt.manifest(1)
+        before = bytes_read()
+        ckpt.load(1, into={"model": targets})
+        read = bytes_read() - before
+    expected = sharded_state(rank, world, weights)
+    for key in ("rows", "cols"):
+        assert_same(expected[key].data, targets[key].data, key)
+    assert_same(expected["bias"], targets["bias"], "bias")
+    overlap = sum(t.data.numel() * t.data.element_size() for t in (targets["rows"], targets["cols"]))
+    overlap += sum(targets[k].numel() * targets[k].element_size() for k in ("bias", "steps"))
+    small_files = sum(f.size for name, f in manifest.files.items() if name.endswith(".json"))
+    return {"read": read, "overlap": overlap, "small_files": small_files}
+
+
+@pytest.mark.parametrize(("save_world", "load_world"), [(4, 2), (2, 4), (3, 1)])
+def test_sharded_save_loads_at_another_world_size_reading_only_overlaps(tmp_path, save_world, load_world):
+    root = str(tmp_path / "ckpts")
+    saved = run_ranks(save_world, save_sharded, root)
+    path = saved[0]["path"]
+    assert all(r["written"] > 0 for r in saved.values()), "every rank writes its own pieces"
+    assert sorted(os.listdir(path)) == sorted(
+        ["model-00001-of-00001.safetensors", "model.safetensors.index.json", "state.json", "checkpoint_manifest.json"]
+    )
+    loaded = run_ranks(load_world, load_resharded, root) if load_world > 1 else {0: None}
+    for rank, stats in loaded.items():
+        if stats is not None:
+            # exactly the overlapping bytes, plus the manifest and state file (and a little slack)
+            assert stats["overlap"] <= stats["read"] <= stats["overlap"] + stats["small_files"] + 8192, (rank, stats)
+    # at one rank (this process): whole tensors, bit-exact
+    with ckptd.Checkpointer(root) as ckpt:
+        assert_same(full_weights(), ckpt.load(1)["model"])
+    manifest = json.loads(open(os.path.join(path, "checkpoint_manifest.json")).read())
+    assert manifest["world_size"] == save_world
+    tensors = manifest["components"]["model"]["tensors"]
+    assert "file" in tensors["rows"], "dim-0 pieces are written into one whole tensor"
+    assert len(tensors["cols"]["chunks"]) == save_world
+    ckptd.CheckpointReader.open(path).verify()
+
+
+# ---- replicated (DDP) ------------------------------------------------------------------------
+
+
+def save_replicated_and_rng(rank: int, world: int, root: str) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(6)))
+    torch.manual_seed(100 + rank)
+    with ckptd.Checkpointer(root, dist_timeout=60) as ckpt:
+        result = ckpt.save(3, {"model": model, "rng": ckptd.RNGState()}, sharing={"rng": "per_rank"})
+        after_save = torch.rand(3)
+        torch.manual_seed(999)
+        ckpt.load(3, into={"rng": ckptd.RNGState()})
+        assert_same(after_save, torch.rand(3), f"rank {rank} rng")
+        written = ckpt._saver._plan.ranks[rank].bytes
+    return {"path": result.path, "written": written, "state": model.state_dict()}
+
+
+def test_ddp_replicated_save_writes_each_tensor_once_and_balances_ranks(tmp_path):
+    root = str(tmp_path / "ckpts")
+    results = run_ranks(4, save_replicated_and_rng, root)
+    path = results[0]["path"]
+    manifest = json.loads(open(os.path.join(path, "checkpoint_manifest.json")).read())
+    model_files = {n: f["size"] for n, f in manifest["files"].items() if n.startswith("model-")}
+    tensor_bytes = sum(t.numel() * t.element_size() for t in results[0]["state"].values())
+    headers = sum(model_files.values()) - tensor_bytes
+    assert 0 < headers < 8192 * len(model_files), "each tensor is stored exactly once"
+    written = [r["written"] for r in results.values()]
+    assert all(w > 0 for w in written) and max(written) < 0.5 * sum(written), written
+    assert sorted(n for n in os.listdir(path) if n.startswith("rng@")) == sorted(
+        [f"rng@rank{r}-00001-of-00001.safetensors" for r in range(4)]
+        + [f"rng@rank{r}.safetensors.index.json" for r in range(4)]
+    )
+    fresh = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(6)))
+    with ckptd.Checkpointer(root) as ckpt:
+        ckpt.load(3, into={"model": fresh})
+    assert_same(results[0]["state"], fresh.state_dict())
+
+
+# ---- FSDP2 (DTensor): HF output, optimizer resharding ------------------------------------------
+
+
+def tiny_gpt2_config():
+    import transformers
+
+    return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32)
+
+
+def fsdp_model(config):
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def train_once(model, optimizer) -> None:
+    tokens = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(5))
+    model(tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def full_state(value):
+    """Whole tensors of a (possibly DTensor) state, for comparisons."""
+    if ckptd.sharding.is_dtensor(value):
+        return value.full_tensor()
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: full_state(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [full_state(v) for v in value]
+    return value
+
+
+def save_fsdp(rank: int, world: int, root: str) -> dict[str, object]:
+    config = tiny_gpt2_config()
+    model = fsdp_model(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_once(model, optimizer)
+    with ckptd.Checkpointer(root, dist_timeout=60) as ckpt:
+        result = ckpt.save(5, {"model": model, "optimizer": optimizer})
+    if rank == 0:
+        config.save_pretrained(result.path)
+    return {
+        "path": result.path,
+        "model": full_state(model.state_dict()),
+        "optimizer": full_state(optimizer.state_dict()),
+    }
+
+
+def load_fsdp(rank: int, world: int, root: str) -> dict[str, object]:
+    model = fsdp_model(tiny_gpt2_config())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {k: v.to_local().data_ptr() for k, v in model.state_dict().items()}
+    with ckptd.Checkpointer(root, dist_timeout=60) as ckpt:
+        ckpt.load(5, into={"model": model, "optimizer": optimizer})
+    after = {k: v.to_local().data_ptr() for k, v in model.state_dict().items()}
+    assert before == after, "the model's shards are filled in place"
+    train_once(model, optimizer)  # the restored optimizer keeps training
+    return {"model": full_state(model.state_dict()), "optimizer": full_state(optimizer.state_dict())}
+
+
+@pytest.mark.hf
+def test_fsdp_save_is_read_by_from_pretrained_and_optimizer_reshards(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    root = str(tmp_path / "ckpts")
+    saved = run_ranks(4, save_fsdp, root)[0]
+    path = saved["path"]
+    manifest = json.loads(open(os.path.join(path, "checkpoint_manifest.json")).read())
+    assert all("file" in t for t in manifest["components"]["model"]["tensors"].values()), "whole tensors"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(path)
+    for key, value in saved["model"].items():
+        assert_same(value, loaded.state_dict()[key], key)
+    # FSDP at 4 ranks -> FSDP at 2 ranks: model and Adam state equal the saved ones
+    restored = run_ranks(2, load_fsdp, root)
+    reference = run_ranks(1, load_fsdp, root)[0]
+    for key, value in saved["model"].items():
+        assert_same(value, ckptd.load_checkpoint(path)[key], key)
+    assert_same(restored[0]["model"], reference["model"])
+    assert_same(restored[0]["optimizer"]["state"], reference["optimizer"]["state"])
+    with ckptd.Checkpointer(root) as ckpt:
+        state = ckpt.load(5)
+    assert_same(saved["optimizer"]["state"], state["optimizer"]["state"])
+
+
+# ---- failures --------------------------------------------------------------------------------
+
+
+def partial_file(root: str, prefix: str) -> bool:
+    """True once a file starting with ``prefix`` in a staging directory has some bytes."""
+    for name in os.listdir(root):
+        if name.startswith(".checkpoint-"):
+            directory = os.path.join(root, name)
+            for file_name in os.listdir(directory):
+                if file_name.startswith(prefix) and os.path.getsize(os.path.join(directory, file_name)) > 0:
+                    return True
+    return False
+
+
+def step_until(pid: int, condition, timeout: float = 60.0) -> None:
+    """Let a SIGSTOPped process run in 2 ms slices until ``condition()`` holds (left stopped)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the writer made no progress"
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.002)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.005)
+
+
+def fail_writer_on_rank_one(rank: int, world: int, root: str) -> dict[str, object]:
+    weights = full_weights()
+    with ckptd.Checkpointer(root, dist_timeout=30, chunk_size="256KiB") as ckpt:
+        ckpt.save(1, {"model": sharded_state(rank, world, weights)})
+        ckpt.health_check()
+        if rank == 1:
+            os.kill(ckpt.writer_pid, signal.SIGSTOP)
+        state = {
+            "model": sharded_state(rank, world, {k: v + 1 for k, v in weights.items()}),
+            "big": {"w": torch.randn(8 * 1024 * 1024)},
+        }
+        request = ckpt.async_save(2, state, sharing={"big": "per_rank"})
+        if rank == 1:
+            step_until(ckpt.writer_pid, lambda: partial_file(root, "big@rank1"))
+            os.kill(ckpt.writer_pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(DistributedSaveError) as info:
+            request.wait(60)
+        elapsed = time.monotonic() - started
+        assert ckpt.steps() == [1]
+        targets = sharded_state(rank, world, {k: torch.zeros_like(v) for k, v in weights.items()})
+        ckpt.load("latest", into={"model": targets})
+        assert_same(sharded_state(rank, world, weights)["rows"].data, targets["rows"].data)
+    return {"ranks": info.value.ranks, "message": str(info.value), "elapsed": elapsed}
+
+
+def test_one_rank_writer_killed_fails_every_rank_and_keeps_the_last_checkpoint(tmp_path):
+    root = str(tmp_path / "ckpts")
+    results = run_ranks(3, fail_writer_on_rank_one, root)
+    for rank, outcome in results.items():
+        assert outcome["ranks"] == [1], (rank, outcome)
+        assert "SIGKILL" in outcome["message"] and "rank 1" in outcome["message"]
+        assert outcome["elapsed"] < 30
+    assert [n for n in os.listdir(root) if n.startswith(".checkpoint-")] == []
+
+
+class ExplodingTensor(torch.Tensor):
+    """A tensor whose copy fails: staging it raises on the rank that holds it."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_ and any(isinstance(a, ExplodingTensor) for a in args):
+            raise RuntimeError("cannot copy this tensor (test)")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def fail_staging_on_rank_two(rank: int, world: int, root: str) -> dict[str, object]:
+    state = {"w": torch.ones(4) * rank if rank != 2 else torch.ones(4).as_subclass(ExplodingTensor)}
+    with ckptd.Checkpointer(root, dist_timeout=30) as ckpt:
+        if rank == 2:
+            with pytest.raises(RuntimeError, match="cannot copy"):
+                ckpt.async_save(1, {"model": {"shared": torch.zeros(3)}, "mine": state}, sharing={"mine": "per_rank"})
+            return {"ranks": [2]}
+        request = ckpt.async_save(1, {"model": {"shared": torch.zeros(3)}, "mine": state}, sharing={"mine": "per_rank"})
+        with pytest.raises(DistributedSaveError, match="cannot copy") as info:
+            request.wait(60)
+        assert ckpt.steps() == []
+    return {"ranks": info.value.ranks}
+
+
+def test_one_rank_raising_during_staging_fails_every_rank(tmp_path):
+    root = str(tmp_path / "ckpts")
+    results = run_ranks(3, fail_staging_on_rank_two, root)
+    assert all(r["ranks"] == [2] for r in results.values()), results
+    assert not any(n.startswith("checkpoint-") or n.startswith(".checkpoint-") for n in os.listdir(root))
+
+
+def die_on_rank_one(rank: int, world: int, root: str) -> dict[str, object]:
+    with ckptd.Checkpointer(root, dist_timeout=8) as ckpt:
+        ckpt.health_check()
+        if rank == 1:
+            os.kill(ckpt.writer_pid, signal.SIGSTOP)
+        request = ckpt.async_save(1, {"model": {"w": torch.ones(1000) * rank}}, sharing={"model": "per_rank"})
+        if rank == 1:
+            os._exit(3)  # the whole rank dies mid-save
+        with pytest.raises(DistributedSaveError, match=r"rank 1.*did not report") as info:
+            request.wait(60)
+        assert ckpt.steps() == []
+    return {"ranks": info.value.ranks}
+
+
+def test_a_dead_rank_is_reported_within_the_timeout(tmp_path):
+    root = str(tmp_path / "ckpts")
+    results = run_ranks(3, die_on_rank_one, root, expect_dead={1})
+    assert results[0]["ranks"] == [1] and results[2]["ranks"] == [1]
+
+
+def invalid_sharding(rank: int, world: int, root: str, case: str) -> str:
+    if case == "gap":
+        piece = ckptd.ShardedTensor("w", torch.ones(2, 4), (6, 4), (rank * 2, 0))  # rows 4-5 missing
+    elif case == "overlap":
+        piece = ckptd.ShardedTensor("w", torch.ones(3, 4), (4, 4), (rank, 0))  # rows 1-2 twice
+    else:
+        piece = ckptd.ShardedTensor("w", torch.ones(2, 4), (4, 4 + rank), (rank * 2, 0))
+    with ckptd.Checkpointer(root, dist_timeout=30) as ckpt:
+        with pytest.raises(ShardingError) as info:
+            ckpt.async_save(1, {"model": {"w": piece}})
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [("gap", r"cover 16 of 24 elements; element \[4, 0\]"), ("overlap", "overlap at offset"), ("shapes", "disagree")],
+)
+def test_invalid_sharding_is_refused_before_any_byte_is_written(tmp_path, case, message):
+    import re
+
+    root = str(tmp_path / "ckpts")
+    results = run_ranks(2, invalid_sharding, root, case)
+    for text in results.values():
+        assert re.search(message, text) and "'model.w'" in text, text
+    assert os.listdir(root) == []
+
+
+# ---- consolidation, metadata, per-rank key loads ------------------------------------------------
+
+
+def save_then_load_keys(rank: int, world: int, root: str) -> dict[str, object]:
+    weights = full_weights()
+    with ckptd.Checkpointer(root, dist_timeout=60) as ckpt:
+        path = ckpt.save(1, {"model": sharded_state(rank, world, weights)}).path
+    wanted = ["rows", "bias"] if rank == 0 else ["cols"]
+    return {"path": path, "keys": ckptd.load_sharded_state_dict(path, keys_to_load=wanted)}
+
+
+def test_consolidate_metadata_and_per_rank_keys(tmp_path):
+    from safetensors.torch import load_file
+
+    root = str(tmp_path / "ckpts")
+    results = run_ranks(2, save_then_load_keys, root)
+    weights = full_weights()
+    assert_same({"rows": weights["rows"], "bias": weights["bias"]}, results[0]["keys"])
+    assert_same({"cols": weights["cols"]}, results[1]["keys"])
+    path = results[0]["path"]
+    metadata = ckptd.load_tensors_metadata(path)["model"]
+    assert metadata["cols"] == ckptd.TensorInfo(torch.bfloat16, (ROWS, COLS))
+    assert metadata["rows"] == ckptd.TensorInfo(torch.float32, (ROWS, COLS))
+    out = str(tmp_path / "consolidated")
+    from ckptd.cli import main
+
+    assert main(["consolidate", path, out, "--verify"]) == 0
+    index = json.loads(open(os.path.join(out, "model.safetensors.index.json")).read())
+    assert set(index["weight_map"]) == set(weights)
+    merged = {}
+    for name in set(index["weight_map"].values()):
+        merged.update(load_file(os.path.join(out, name)))
+    assert_same(weights, merged)
+    ckptd.CheckpointReader.open(out).verify()
