@@ -27,6 +27,7 @@ __all__ = [
     "create_sharing_metadata",
     "errors",
     "find_latest_checkpoint",
+    "get_param_id_to_sharded_param_map",
     "get_checkpoint_metadata",
     "index_file_name",
     "is_in_safetensors_format",
@@ -39,6 +40,7 @@ __all__ = [
     "make_shard_index",
     "maybe_delete_oldest_checkpoint",
     "next_checkpoint_path",
+    "optim_state_to_sharding_state",
     "retie_parameters",
     "save_checkpoint",
     "save_checkpoint_metrics",
@@ -63,6 +65,8 @@ _WHERE = {
     "consolidate": "consolidate",
     "load_tensors_metadata": "api",
     "validate_sharding": "sharding",
+    "get_param_id_to_sharded_param_map": "optim",
+    "optim_state_to_sharding_state": "optim",
     "create_sharing_metadata": "restore",
     "find_latest_checkpoint": "manager",
     "get_checkpoint_metadata": "api",
@@ -108,6 +112,7 @@ if TYPE_CHECKING:
     from .checkpointer import Checkpointer
     from .consolidate import consolidate
     from .dist import Sharing
+    from .optim import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
     from .loader import CheckpointReader
     from .manager import (
         CheckpointInfo,

@@ -411,3 +411,67 @@ def test_consolidate_metadata_and_per_rank_keys(tmp_path):
         merged.update(load_file(os.path.join(out, name)))
     assert_same(weights, merged)
     ckptd.CheckpointReader.open(out).verify()
+
+
+# ---- Megatron-style: explicit ShardedTensors for model and optimizer ---------------------------
+
+
+def megatron_state(rank: int, world: int, train: bool):
+    """A column-parallel linear layer (weight split on dim 1) with a plain Adam on the local piece."""
+    torch.manual_seed(0)
+    full = torch.nn.Linear(8, 6, bias=True)
+    c0, cn = split(8, world, rank)
+    local = torch.nn.Parameter(full.weight.detach()[:, c0 : c0 + cn].clone())
+    bias = torch.nn.Parameter(full.bias.detach().clone())
+    optimizer = torch.optim.Adam([local, bias], lr=0.1)
+    if train:
+        (local.sum() * 2 + bias.sum()).backward()
+        optimizer.step()
+    else:  # a step with zero gradients creates state of the right shapes
+        local.grad, bias.grad = torch.zeros_like(local), torch.zeros_like(bias)
+        optimizer.step()
+    model = {
+        "weight": ckptd.ShardedTensor("layer.weight", local.detach(), (6, 8), (0, c0)),
+        "bias": ckptd.ShardedTensor("layer.bias", bias.detach(), (6,), (0,), replica_id=rank),
+    }
+    optim_state = optimizer.state_dict()
+    mapping = ckptd.get_param_id_to_sharded_param_map(model, [local, bias])
+    ckptd.optim_state_to_sharding_state(optim_state, mapping)
+    return model, optim_state
+
+
+def save_megatron(rank: int, world: int, root: str) -> None:
+    model, optim_state = megatron_state(rank, world, train=True)
+    with ckptd.Checkpointer(root, dist_timeout=60) as ckpt:
+        ckpt.save(1, {"model": model, "optimizer": optim_state})
+
+
+def load_megatron(rank: int, world: int, root: str) -> dict[str, object]:
+    model, optim_state = megatron_state(rank, world, train=False)
+    with ckptd.Checkpointer(root, dist_timeout=60) as ckpt:
+        ckpt.load(1, into={"model": model, "optimizer": optim_state})
+    return {
+        "weight": model["weight"].data.clone(),
+        "exp_avg": optim_state["state"][0]["exp_avg"].data.clone(),
+        "step": optim_state["state"][0]["step"],
+    }
+
+
+def test_megatron_style_optimizer_state_follows_parameter_sharding(tmp_path):
+    root = str(tmp_path / "ckpts")
+    run_ranks(2, save_megatron, root)
+    loaded = run_ranks(4, load_megatron, root)
+    with ckptd.Checkpointer(root) as ckpt:
+        whole = ckpt.load(1)  # the saved structure, with whole tensors
+        path = ckpt.path_for(1)
+    full_weight = whole["model"]["weight"]
+    assert full_weight.shape == (6, 8)
+    # stored under the ShardedTensor keys: what key-based loaders see
+    assert_same(full_weight, ckptd.load_sharded_state_dict(path, ["layer.weight"])["layer.weight"])
+    full_moment = whole["optimizer"]["state"][0]["exp_avg"]
+    assert full_moment.shape == (6, 8)
+    for rank, outcome in loaded.items():
+        c0, cn = split(8, 4, rank)
+        assert_same(full_weight[:, c0 : c0 + cn].contiguous(), outcome["weight"])
+        assert_same(full_moment[:, c0 : c0 + cn].contiguous(), outcome["exp_avg"])
+        assert float(outcome["step"]) == 1.0
