@@ -475,3 +475,31 @@ def test_megatron_style_optimizer_state_follows_parameter_sharding(tmp_path):
         assert_same(full_weight[:, c0 : c0 + cn].contiguous(), outcome["weight"])
         assert_same(full_moment[:, c0 : c0 + cn].contiguous(), outcome["exp_avg"])
         assert float(outcome["step"]) == 1.0
+
+
+def test_runs_under_torchrun(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    root = str(tmp_path / "ckpts")
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import torch, torch.distributed as dist, ckptd
+            dist.init_process_group("gloo")
+            rank = dist.get_rank()
+            piece = ckptd.ShardedTensor("w", torch.full((2, 3), float(rank)), (4, 3), (2 * rank, 0))
+            with ckptd.Checkpointer({root!r}, dist_timeout=60) as ckpt:
+                ckpt.async_save(1, {{"model": {{"w": piece}}, "rng": ckptd.RNGState()}}, sharing={{"rng": "per_rank"}})
+            dist.destroy_process_group()
+            """
+        )
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with ckptd.Checkpointer(root) as ckpt:
+        assert ckpt.manifest(1).world_size == 2
+        assert_same(torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3] * 2), ckpt.load(1)["model"]["w"])
