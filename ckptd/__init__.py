@@ -112,7 +112,6 @@ if TYPE_CHECKING:
     from .checkpointer import Checkpointer
     from .consolidate import consolidate
     from .dist import Sharing
-    from .optim import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
     from .loader import CheckpointReader
     from .manager import (
         CheckpointInfo,
@@ -122,6 +121,7 @@ if TYPE_CHECKING:
         next_checkpoint_path,
         save_checkpoint_metrics,
     )
+    from .optim import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
     from .request import SaveRequest, SaveResult
     from .restore import create_sharing_metadata, retie_parameters
     from .rng import RNGState

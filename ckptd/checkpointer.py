@@ -63,6 +63,10 @@ class Checkpointer:
         write_threads: files the writer writes at once.
         chunk_size: bytes per write call in the writer.
         writer_nice: CPU niceness increment of the writer process.
+        writer_ionice: best-effort I/O priority of the writer (0 highest, 7 lowest; None: leave).
+        staging: default staging mode of :meth:`async_save` (``"blocking"`` or ``"background"``).
+        direct_io: write local files with ``O_DIRECT`` (page cache bypassed where supported).
+        drop_cache: drop written files from the page cache once they are durable.
 
     Use as a context manager, or call :meth:`close`; pending saves are finished first.
     """
@@ -87,6 +91,10 @@ class Checkpointer:
         process_group: Any = None,
         coordinator_rank: int = 0,
         dist_timeout: float = 600.0,
+        staging: str = "blocking",
+        direct_io: bool = False,
+        drop_cache: bool = True,
+        writer_ionice: int | None = 7,
     ) -> None:
         root = os.fspath(root)
         self.options = CheckpointerOptions.resolve(
@@ -103,6 +111,9 @@ class Checkpointer:
             retry_attempts=retry_attempts,
             cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
             remote=not is_local(root),
+            staging=staging,
+            direct_io=direct_io,
+            drop_cache=drop_cache,
         )
         self.root = local_path(root) if is_local(root) else root.rstrip("/")
         self.storage = storage_for(self.root, self.options.storage_options, self.options.tuning)
@@ -112,7 +123,9 @@ class Checkpointer:
         self._writer: WriterClient | InProcessWriter = (
             InProcessWriter()
             if in_process_only(self.root)
-            else WriterClient(start_timeout=self.options.writer_start_timeout, nice=writer_nice, label=self.root)
+            else WriterClient(
+                start_timeout=self.options.writer_start_timeout, nice=writer_nice, ionice=writer_ionice, label=self.root
+            )
         )
         self._cleanup = Cleanup(self.storage)
         self._dist = DistContext.detect(process_group, coordinator_rank, dist_timeout)
@@ -188,6 +201,7 @@ class Checkpointer:
         overwrite: bool = False,
         allow_pickle: bool | None = None,
         sharing: Mapping[str, Any] | None = None,
+        staging: str | None = None,
     ) -> SaveRequest:
         """Snapshot ``state`` and return at once; the writer process persists it in the background.
 
@@ -202,6 +216,14 @@ class Checkpointer:
         overrides that per component: ``{"rng": "per_rank", "scheduler": "global"}`` (see
         :class:`~ckptd.Sharing`).
 
+        ``staging="background"`` returns before the copy is done: the copy runs on a staging
+        thread (CUDA tensors: ``non_blocking`` copies on a side stream), ``request.staged`` is
+        set when it finishes, and every optimizer ``step()`` waits for it, so forward and
+        backward overlap the snapshot.  Only optimizer steps are guarded: code that changes the
+        saved tensors in other ways (BatchNorm running statistics in a forward pass, manual
+        in-place edits) must wait for ``request.staged`` first.  The default,
+        ``staging="blocking"`` (or the Checkpointer's ``staging``), returns after the copy.
+
         Raises before anything is written if the state holds values that cannot be stored
         (:class:`~ckptd.errors.UnsupportedValueError`), the sharding is invalid
         (:class:`~ckptd.errors.ShardingError`) or the checkpoint already exists.
@@ -211,6 +233,9 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         pickle_ok = self.options.allow_pickle if allow_pickle is None else allow_pickle
+        mode = staging or self.options.staging
+        if mode not in ("blocking", "background"):
+            raise ConfigError(f"staging must be 'blocking' or 'background', got {mode!r}")
         with self._save_lock:
             job = self._saver.start(
                 step,
@@ -222,11 +247,20 @@ class Checkpointer:
                 metadata=metadata,
                 metrics=metrics,
                 started=started,
+                background=mode == "background",
             )
         with self._pending_lock:
             self._pending.append(job.request)
         self._jobs.put(job)
         return job.request
+
+    def prepare(self, state: Mapping[str, Any], *, sharing: Mapping[str, Any] | None = None) -> int:
+        """Plan ``state`` and allocate (and hand to the writer) its staging arena now, so the
+        first :meth:`async_save` of that layout only copies.  Call it once at start-up, on every
+        rank; returns the arena's size in bytes."""
+        self._check_open()
+        with self._save_lock:
+            return self._saver.prepare(state, sharing=sharing, allow_pickle=self.options.allow_pickle)
 
     def save(self, step: int, state: Mapping[str, Any], **kwargs: Any) -> SaveResult:
         """Save and wait for the commit; same arguments as :meth:`async_save`."""
@@ -394,6 +428,7 @@ class Checkpointer:
             self._jobs.put(None)
             if wait:
                 self._completer.join()
+            self._saver.close()
             self._writer.close()
             self._pool.close()
             self._cleanup.drain(self.options.cleanup_timeout if wait else 0.0)

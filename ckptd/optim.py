@@ -28,7 +28,11 @@ def get_param_id_to_sharded_param_map(
 
     def walk(value: Any) -> None:
         if isinstance(value, ShardedTensor) and value.data is not None:
-            identity = (value.data.untyped_storage().data_ptr(), value.data.storage_offset(), tuple(value.data.shape))
+            identity = (
+                value.data.untyped_storage().data_ptr(),
+                int(value.data.storage_offset()),
+                tuple(value.data.shape),
+            )
             by_storage[identity] = value
         elif isinstance(value, Mapping):
             for item in value.values():
@@ -40,7 +44,7 @@ def get_param_id_to_sharded_param_map(
     walk(model_sharded_state_dict)
     mapping: dict[int, ShardedTensor] = {}
     for index, param in enumerate(optim_params_iter):
-        identity = (param.untyped_storage().data_ptr(), param.storage_offset(), tuple(param.shape))
+        identity = (param.untyped_storage().data_ptr(), int(param.storage_offset()), tuple(param.shape))
         if identity in by_storage:
             mapping[index] = by_storage[identity]
     return mapping

@@ -113,6 +113,7 @@ class CheckpointerOptions:
     tuning: StorageTuning = field(default_factory=StorageTuning)
     cache_dir: str | None = None
     cleanup_timeout: float = DEFAULT_CLEANUP_TIMEOUT
+    staging: str = "blocking"
 
     @classmethod
     def resolve(
@@ -132,6 +133,9 @@ class CheckpointerOptions:
         retry_attempts: int | None = None,
         cache_dir: str | None = None,
         remote: bool = False,
+        staging: str = "blocking",
+        direct_io: bool = False,
+        drop_cache: bool = True,
     ) -> CheckpointerOptions:
         """Combine explicit arguments (which win), ``CKPTD_*`` variables and defaults."""
         resolved_in_flight = (
@@ -152,7 +156,11 @@ class CheckpointerOptions:
             retry_attempts=retry_attempts
             if retry_attempts is not None
             else _env_int("CKPTD_RETRY_ATTEMPTS", DEFAULT_RETRY_ATTEMPTS),
+            direct_io=direct_io,
+            drop_cache=drop_cache,
         )
+        if staging not in ("blocking", "background"):
+            raise ConfigError(f"staging must be 'blocking' or 'background', got {staging!r}")
         if tuning.part_size < MIN_PART_SIZE:
             raise ConfigError(f"part_size must be at least 5 MiB (the S3 minimum), got {tuning.part_size}")
         if tuning.part_concurrency < 1 or tuning.retry_attempts < 1:
@@ -182,4 +190,5 @@ class CheckpointerOptions:
             tuning=tuning,
             cache_dir=cache_dir,
             cleanup_timeout=_env_float("CKPTD_CLEANUP_TIMEOUT", DEFAULT_CLEANUP_TIMEOUT),
+            staging=staging,
         )

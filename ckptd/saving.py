@@ -16,6 +16,7 @@ import logging
 import secrets
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,7 @@ from .options import CheckpointerOptions
 from .planner import LocalTensor, RankPlan, SavePlan, plan_save
 from .protocol import FileResult, FileSpec, FilesWritten
 from .request import SaveRequest, SaveResult
-from .staging import StagingArena, StagingPool
+from .staging import StageHandle, StagingArena, StagingPool, StepGuard
 from .storage import Storage
 from .writer import InProcessWriter, WriterClient
 
@@ -68,6 +69,7 @@ class SaveJob:
 
     request: SaveRequest
     arena: StagingArena | None
+    handle: StageHandle | None
     plan: SavePlan
     payloads: tuple[_Payload, ...]
     key: str
@@ -129,6 +131,13 @@ class Saver:
         self.dist = dist
         self.rank = dist.rank if dist else 0
         self._plan: SavePlan | None = None
+        self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-stage")
+        self.guard = StepGuard()
+
+    def close(self) -> None:
+        """Stop the staging thread (after the copies in flight) and remove the step guard."""
+        self._stager.shutdown(wait=True)
+        self.guard.close()
 
     # ---- caller's thread --------------------------------------------------------------------
 
@@ -144,8 +153,13 @@ class Saver:
         metadata: Mapping[str, Any] | None,
         metrics: Mapping[str, Any] | None,
         started: float,
+        background: bool = False,
     ) -> SaveJob:
-        """Describe, gather, plan and stage; returns the job for :meth:`complete`."""
+        """Describe, gather, plan and stage; returns the job for :meth:`complete`.
+
+        With ``background`` the copy runs on the staging thread (CUDA copies on a side stream)
+        and the next optimizer step waits for it instead of this call.
+        """
         own_error: BaseException | None = None
         flats: list[FlatComponent] = []
         try:
@@ -168,14 +182,17 @@ class Saver:
         key = f"{coordinator.token}"
         rank_plan = plan.ranks[self.rank]
         arena: StagingArena | None = None
+        handle: StageHandle | None = None
         waited = 0.0
         staged_at = time.perf_counter()
+        request = SaveRequest(step, final)
         try:
             if rank_plan.pieces:
                 arena, waited = self.pool.acquire(rank_plan)
                 staged_at = time.perf_counter()
                 try:
-                    arena.stage({c.name: c.tensors for c in flats})
+                    tensors = {c.name: c.tensors for c in flats}
+                    handle = arena.stage(tensors, self._stager if background else None)
                 except BaseException:
                     self.pool.release(arena)
                     raise
@@ -183,12 +200,16 @@ class Saver:
             self._report_early_failure(key, e)
             raise
         done = time.perf_counter()
-        request = SaveRequest(step, final)
         request.timings.update(plan=planned - started, wait=waited, stage=done - staged_at, blocking=done - started)
-        request.staged.set()
+        if handle is None or handle.done.is_set():
+            request.staged.set()
+        else:
+            self.guard.add(handle)
+            self._stager.submit(_mark_staged, handle, request)
         return SaveJob(
             request=request,
             arena=arena,
+            handle=handle,
             plan=plan,
             payloads=payloads,
             key=key,
@@ -198,6 +219,29 @@ class Saver:
             overwrite=overwrite,
             started=started,
         )
+
+    def prepare(self, state: Mapping[str, Any], *, sharing: Mapping[str, Any] | None, allow_pickle: bool) -> int:
+        """Plan ``state`` and allocate its staging arena now (collective like a save); returns
+        the arena's size.  The first save of the same layout then only copies."""
+        own_error: BaseException | None = None
+        try:
+            payload = self._payload(self._flatten(state, sharing or {}, allow_pickle), 0)
+        except Exception as e:  # noqa: BLE001 - reported to every rank
+            own_error = e
+            payload = _Payload(self.rank, error=(type(e).__name__, str(e)))
+        payloads = tuple(self.dist.all_gather(payload) if self.dist else [payload])
+        if own_error is not None:
+            raise own_error
+        errors = _error_of(payloads)
+        if errors:
+            raise _planning_failure(errors)
+        rank_plan = self._plan_for(payloads).ranks[self.rank]
+        if not rank_plan.pieces:
+            return 0
+        arena, _ = self.pool.acquire(rank_plan)
+        self.pool.release(arena)
+        self.writer.ensure_running()  # hands the arena to the writer now, not at the first save
+        return arena.size
 
     @property
     def _is_coordinator(self) -> bool:
@@ -401,6 +445,8 @@ class Saver:
         started = time.perf_counter()
         rank_plan: RankPlan = job.plan.ranks[self.rank]
         try:
+            if job.handle is not None:
+                job.handle.wait()  # background staging: the bytes must be in the arena
             if not rank_plan.pieces or job.arena is None:
                 return []
             future = self.writer.write_files(
@@ -463,6 +509,11 @@ class Saver:
             bytes_written = sum(f.size for f in manifest.files.values())
         job.request.timings["total"] = time.perf_counter() - job.started
         return SaveResult(job.request.step, job.request.path, bytes_written, dict(job.request.timings))
+
+
+def _mark_staged(handle: StageHandle, request: SaveRequest) -> None:
+    handle.done.wait()
+    request.staged.set()
 
 
 def combine_pieces(plan: SavePlan, results: Sequence[FileResult]) -> dict[str, FileRecord]:

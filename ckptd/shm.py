@@ -15,6 +15,8 @@ import mmap
 import os
 import secrets
 
+from .errors import StorageError
+
 __all__ = ["SharedSegment"]
 
 _MEMFD = hasattr(os, "memfd_create")
@@ -38,6 +40,15 @@ class SharedSegment:
         fd = _create_fd(label)
         try:
             os.ftruncate(fd, size)
+            if hasattr(os, "posix_fallocate"):
+                # Reserve the memory now: a full /dev/shm is a clear error here instead of a
+                # SIGBUS at the first copy, and the first save page-faults much less.
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    reason = os.strerror(e.errno) if e.errno else str(e)
+                    message = f"cannot reserve {size} bytes of shared memory for a staging arena: {reason}"
+                    raise StorageError(e.errno or 0, message) from e
             return cls(fd, size, populate=populate)
         except BaseException:
             os.close(fd)

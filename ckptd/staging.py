@@ -7,6 +7,13 @@ it with no further copy.  Arenas are created once and
 reused while the state's layout fits; when CUDA is available they are page-locked with
 ``cudaHostRegister`` so device→host copies run at full speed.  A pool of ``max_in_flight`` arenas
 provides back-pressure: a save waits while all of them are still being written.
+
+Staging returns a :class:`StageHandle`.  In blocking mode the bytes are in the arena when it
+returns.  In background mode CPU tensors are copied by a staging thread, and CUDA tensors by
+``non_blocking`` copies on a dedicated stream (ordered after the caller's current stream; a CUDA
+event marks the end), so the call returns at once; :class:`StepGuard` then makes the next
+optimizer step wait for the copies (on CUDA, by making the step's stream wait on the event, so
+not even the CPU blocks).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Executor
+from typing import Any
 
 import torch
 
@@ -23,7 +32,7 @@ from .planner import RankPlan
 from .shm import SharedSegment
 from .writer import InProcessWriter, WriterClient
 
-__all__ = ["StagingArena", "StagingPool"]
+__all__ = ["StageHandle", "StagingArena", "StagingPool", "StepGuard"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +49,7 @@ class StagingArena:
         self.busy = False
         self._base: torch.Tensor | None = torch.frombuffer(self.segment.mmap, dtype=torch.uint8)
         self._views: list[tuple[str, str, torch.Tensor]] = []
+        self._stream: Any = None
         self.pinned = _pin(self._base)
 
     @property
@@ -66,17 +76,59 @@ class StagingArena:
         self._views = views
         self.plan = plan
 
-    def stage(self, tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        """Copy every planned local tensor (``tensors[component][key]``) into its arena slot."""
+    def stage(
+        self, tensors: Mapping[str, Mapping[str, torch.Tensor]], background: Executor | None = None
+    ) -> StageHandle:
+        """Copy every planned local tensor (``tensors[component][key]``) into its arena slot.
+
+        Without ``background`` the copies are done (and CUDA ones synchronised) on return.  With
+        an executor, CPU copies run on it and CUDA copies are queued on a side stream; the
+        returned handle's ``done`` is set once every byte is in the arena.
+        """
         if self.plan is None:
             raise ValueError("arena has no layout")
-        any_cuda = False
+        cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
+        cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
         for component, key, view in self._views:
             source = tensors[component][key]
-            any_cuda = any_cuda or source.is_cuda
-            view.copy_(source, non_blocking=source.is_cuda and self.pinned)
-        if any_cuda:
-            torch.cuda.synchronize()
+            (cuda if source.is_cuda else cpu).append((view, source))
+        handle = StageHandle()
+        if cuda:
+            handle.cuda_event = self._queue_cuda_copies(cuda)
+
+        def copy_cpu() -> None:
+            try:
+                for view, source in cpu:
+                    view.copy_(source)
+                if handle.cuda_event is not None:
+                    handle.cuda_event.synchronize()
+            except BaseException as e:  # noqa: BLE001 - raised by the handle's wait()
+                handle.error = e
+            finally:
+                handle.done.set()
+
+        if background is None:
+            copy_cpu()
+            handle.wait()
+        else:
+            handle.cpu_pending = bool(cpu)
+            background.submit(copy_cpu)
+        return handle
+
+    def _queue_cuda_copies(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """Queue device→host copies on a side stream after the caller's work; returns their event."""
+        device = copies[0][1].device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for view, source in copies:
+                view.copy_(source, non_blocking=self.pinned)
+                source.record_stream(stream)  # keep the caching allocator from reusing it early
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
     def close(self) -> None:
         """Drop the views, unpin and unmap; memory is freed once the writer unmaps too."""
@@ -91,6 +143,62 @@ class StagingArena:
         if self._base is None:
             raise ValueError(f"arena {self.arena_id} is closed")
         return self._base
+
+
+class StageHandle:
+    """The copy of one save into its arena: ``done`` is set once every byte is there."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.cuda_event: Any = None
+        self.cpu_pending = False
+
+    def wait(self) -> None:
+        """Block until the copies finished; raise what the copy raised."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class StepGuard:
+    """Makes every optimizer step wait for the background copies still in flight.
+
+    One global optimizer step pre-hook is installed on first use and removed by :meth:`close`
+    (hooks are never added or removed while a step may be running them).  A step waits for the
+    CPU copies; for copies that are only CUDA it makes the current stream wait on their event
+    instead, so the CPU goes on.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[StageHandle] = []
+        self._lock = threading.Lock()
+        self._hook: Any = None
+
+    def add(self, handle: StageHandle) -> None:
+        with self._lock:
+            self._pending.append(handle)
+            if self._hook is None:
+                from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+                self._hook = register_optimizer_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        with self._lock:
+            pending = [h for h in self._pending if not h.done.is_set()]
+            self._pending = pending
+        for handle in pending:
+            if handle.cuda_event is not None and not handle.cpu_pending:
+                torch.cuda.current_stream().wait_event(handle.cuda_event)
+            else:
+                handle.done.wait()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            self._pending.clear()
 
 
 def _pin(base: torch.Tensor) -> bool:

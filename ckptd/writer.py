@@ -65,12 +65,16 @@ def _package_parent() -> str:
 class WriterClient:
     """Owns one writer process; safe to call from several threads.
 
-    ``nice`` lowers the writer's CPU priority so it competes less with the training loop.
+    ``nice`` lowers the writer's CPU priority and ``ionice`` (0-7, best-effort class) its I/O
+    priority, so it competes less with the training loop.
     """
 
-    def __init__(self, *, start_timeout: float = 60.0, nice: int = 0, label: str = "") -> None:
+    def __init__(
+        self, *, start_timeout: float = 60.0, nice: int = 0, ionice: int | None = None, label: str = ""
+    ) -> None:
         self.start_timeout = start_timeout
         self.nice = nice
+        self.ionice = ionice
         self.label = label
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
@@ -125,6 +129,8 @@ class WriterClient:
             "--nice",
             str(self.nice),
         ]
+        if self.ionice is not None:
+            command += ["--ionice", str(self.ionice)]
         try:
             process = subprocess.Popen(
                 command,

@@ -186,12 +186,30 @@ def _failure(request_id: int, error: BaseException) -> Failed:
     )
 
 
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "ppc64le": 273}
+
+
+def _set_io_priority(level: int) -> None:
+    """Best-effort I/O class at ``level`` (Linux ``ioprio_set``; a no-op where unsupported)."""
+    import ctypes
+    import platform
+
+    number = _IOPRIO_SET.get(platform.machine())
+    if number is None or not sys.platform.startswith("linux"):
+        return
+    best_effort, who_process = 2, 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, who_process, 0, (best_effort << 13) | max(0, min(7, level))) != 0:
+        logger.debug("ckptd writer: ioprio_set failed (errno %d)", ctypes.get_errno())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the writer process."""
     parser = argparse.ArgumentParser(prog="ckptd-writer", description="ckptd background writer (internal)")
     parser.add_argument("--fd", type=int, required=True, help="control socket file descriptor")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--nice", type=int, default=0, help="CPU niceness increment")
+    parser.add_argument("--ionice", type=int, default=None, help="best-effort I/O priority, 0-7")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     # Ctrl-C in the terminal reaches the whole process group; the trainer decides, not us.
@@ -200,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # report EFBIG as an error instead of dying
     if args.nice:
         os.nice(args.nice)
+    if args.ionice is not None:
+        _set_io_priority(args.ionice)
     sock = socket.socket(fileno=args.fd)
     return _Writer(Channel(sock), args.parent_pid).run()
 

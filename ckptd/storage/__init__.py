@@ -45,7 +45,7 @@ def storage_for(
 ) -> Storage:
     """The backend for ``url``: local for paths and ``file://``, S3 for ``s3://``, else fsspec."""
     if is_local(url):
-        return LocalStorage()
+        return LocalStorage(tuning)
     protocol = url.split("://", 1)[0]
     if protocol in ("s3", "s3a"):
         from .s3 import S3Storage

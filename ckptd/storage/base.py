@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 DEFAULT_PART_SIZE = 64 * 1024 * 1024
-DEFAULT_PART_CONCURRENCY = 8
+DEFAULT_PART_CONCURRENCY = 8  # parts in flight across all files of one save
 DEFAULT_RETRY_ATTEMPTS = 6
 MIN_PART_SIZE = 5 * 1024 * 1024
 MAX_PARTS = 10_000
@@ -37,11 +37,16 @@ MAX_PARTS = 10_000
 
 @dataclass(frozen=True)
 class StorageTuning:
-    """Object-store knobs: multipart part size and parallelism, and the retry policy.
+    """I/O knobs.
 
-    ``part_size`` is a floor: a file too large for ``MAX_PARTS`` parts of that size uses larger
-    parts.  ``retry_attempts`` counts every try of one request (parts are retried one by one);
-    delays grow from ``retry_base_delay`` doubling up to ``retry_max_delay``, with full jitter.
+    Object stores: ``part_size`` is a floor (a file too large for ``MAX_PARTS`` parts of that
+    size uses larger parts); ``part_concurrency`` bounds the parts in flight across all files of a
+    save; ``retry_attempts`` counts every try of one request (parts are retried one by one),
+    delays growing from ``retry_base_delay`` doubling up to ``retry_max_delay``, with full jitter.
+
+    Local files: ``direct_io`` writes with ``O_DIRECT`` (bypassing the page cache, where the
+    filesystem supports it); ``drop_cache`` tells the kernel to drop a file's cached pages once
+    it is durable, so a save does not push the training job's memory out of the page cache.
     """
 
     part_size: int = DEFAULT_PART_SIZE
@@ -49,6 +54,8 @@ class StorageTuning:
     retry_attempts: int = DEFAULT_RETRY_ATTEMPTS
     retry_base_delay: float = 0.2
     retry_max_delay: float = 5.0
+    direct_io: bool = False
+    drop_cache: bool = True
 
     def part_size_for(self, size: int) -> int:
         """The part size for a file of ``size`` bytes: ≥ 5 MiB, ≥ ``part_size``, ≤ 10,000 parts."""

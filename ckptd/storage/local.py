@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import errno as errno_codes
+import fcntl
 import os
 import secrets
 import shutil
 from collections.abc import Callable, Iterable, Sequence
 
 from ..errors import CheckpointExistsError, StorageError
-from .base import Stopped, storage_error
+from .base import Stopped, StorageTuning, storage_error
 
 __all__ = ["LocalStorage"]
 
@@ -58,10 +59,23 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[written:]
 
 
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data = data[written:]
+        offset += written
+
+
+_DIRECT_ALIGNMENT = 4096
+
+
 class LocalStorage:
     """Local files (plain paths and ``file://``)."""
 
     local = True
+
+    def __init__(self, tuning: StorageTuning | None = None) -> None:
+        self.tuning = tuning or StorageTuning()
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
@@ -111,26 +125,12 @@ class LocalStorage:
         should_stop: Callable[[], bool],
         on_progress: Callable[[int], None],
     ) -> None:
+        """Write ``view`` as the whole file at ``path`` (the partial file is removed on failure)."""
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise storage_error("create", path, e) from e
-        try:
-            for start in range(0, len(view), chunk_size):
-                if should_stop():
-                    raise Stopped(path)
-                chunk = view[start : start + chunk_size]
-                _write_all(fd, chunk)
-                on_progress(len(chunk))
-            if fsync:
-                os.fsync(fd)
-        except BaseException as e:
-            os.close(fd)
+            self._write(path, 0, view, True, fsync, chunk_size, should_stop, on_progress)
+        except BaseException:
             self.remove(path)
-            if isinstance(e, OSError) and not isinstance(e, StorageError):
-                raise storage_error("write", path, e) from e
             raise
-        os.close(fd)
 
     def write_at(
         self,
@@ -144,23 +144,42 @@ class LocalStorage:
         on_progress: Callable[[int], None],
     ) -> None:
         """Write ``view`` at ``offset`` of a file that other writers fill in too (no truncation)."""
+        self._write(path, offset, view, False, fsync, chunk_size, should_stop, on_progress)
+
+    def _write(
+        self,
+        path: str,
+        offset: int,
+        view: memoryview,
+        whole: bool,
+        fsync: bool,
+        chunk_size: int,
+        should_stop: Callable[[], bool],
+        on_progress: Callable[[int], None],
+    ) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if whole else 0)
+        direct = self.tuning.direct_io and whole and hasattr(os, "O_DIRECT") and chunk_size % _DIRECT_ALIGNMENT == 0
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
         except OSError as e:
-            raise storage_error("create", path, e) from e
+            if not direct or e.errno != errno_codes.EINVAL:
+                raise storage_error("create", path, e) from e
+            direct = False  # this filesystem has no O_DIRECT
+            fd = os.open(path, flags, 0o644)
         try:
             for start in range(0, len(view), chunk_size):
                 if should_stop():
                     raise Stopped(path)
                 chunk = view[start : start + chunk_size]
-                position = offset + start
-                while chunk:
-                    written = os.pwrite(fd, chunk, position)
-                    chunk = chunk[written:]
-                    position += written
-                on_progress(min(chunk_size, len(view) - start))
+                if direct and len(chunk) % _DIRECT_ALIGNMENT:
+                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)  # the tail
+                    direct = False
+                _pwrite_all(fd, chunk, offset + start)
+                on_progress(len(chunk))
             if fsync:
                 os.fsync(fd)
+            if self.tuning.drop_cache and fsync and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
         except OSError as e:
             if isinstance(e, StorageError):
                 raise

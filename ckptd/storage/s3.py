@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from ..errors import CheckpointExistsError, StorageError
-from .base import Stopped
+from .base import Stopped, StorageTuning
 from .remote import FsspecStorage
 from .retry import error_code, http_status, is_transient, retry_async
 
@@ -56,6 +56,12 @@ def s3_error(action: str, url: str, error: BaseException, attempts: int | None =
 
 class S3Storage(FsspecStorage):
     """``s3://bucket/prefix`` storage."""
+
+    def __init__(
+        self, url: str, storage_options: dict[str, Any] | None = None, tuning: StorageTuning | None = None
+    ) -> None:
+        super().__init__(url, storage_options, tuning)
+        self._parts_in_flight: asyncio.Semaphore | None = None
 
     def _make_filesystem(self, options: dict[str, Any]) -> Any:
         config = dict(options.get("config_kwargs") or {})
@@ -134,7 +140,7 @@ class S3Storage(FsspecStorage):
             return
         created = await self._call("start upload of", url, "create_multipart_upload", Bucket=bucket, Key=key)
         upload_id = created["UploadId"]
-        limit = asyncio.Semaphore(self.tuning.part_concurrency)
+        limit = self._part_limit()
 
         async def upload_part(number: int, start: int) -> dict[str, Any]:
             async with limit:
@@ -164,6 +170,13 @@ class S3Storage(FsspecStorage):
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._abort(bucket, key, upload_id, url)
             raise
+
+    def _part_limit(self) -> asyncio.Semaphore:
+        """One bound on the parts in flight for every file this storage uploads (the writer
+        uploads several files at once through one storage object, on fsspec's one event loop)."""
+        if self._parts_in_flight is None:
+            self._parts_in_flight = asyncio.Semaphore(self.tuning.part_concurrency)
+        return self._parts_in_flight
 
     async def _complete(
         self, bucket: str, key: str, upload_id: str, parts: list[dict[str, Any]], size: int, url: str
