@@ -62,7 +62,7 @@ _WHERE = {
     "ShardedTensor": "sharding",
     "Sharing": "dist",
     "TensorInfo": "api",
-    "consolidate": "consolidate",
+    "consolidate": "consolidation",
     "load_tensors_metadata": "api",
     "validate_sharding": "sharding",
     "get_param_id_to_sharded_param_map": "optim",
@@ -110,7 +110,7 @@ if TYPE_CHECKING:
         validate_checkpoint,
     )
     from .checkpointer import Checkpointer
-    from .consolidate import consolidate
+    from .consolidation import consolidate
     from .dist import Sharing
     from .loader import CheckpointReader
     from .manager import (

@@ -67,6 +67,12 @@ class Checkpointer:
         staging: default staging mode of :meth:`async_save` (``"blocking"`` or ``"background"``).
         direct_io: write local files with ``O_DIRECT`` (page cache bypassed where supported).
         drop_cache: drop written files from the page cache once they are durable.
+        incremental: don't rewrite what did not change since this Checkpointer's previous save:
+            ``True`` reuses the files of frozen tensors (parameters with ``requires_grad=False``
+            and keys declared with ``async_save(frozen=...)``), kept in files of their own;
+            ``"hash"`` also lets the writer skip any file whose CRC32C is unchanged.  The manifest
+            then references the earlier checkpoint's files (which retention keeps alive); HF tools
+            need a self-contained copy: ``ckptd consolidate``.
 
     Use as a context manager, or call :meth:`close`; pending saves are finished first.
     """
@@ -95,6 +101,7 @@ class Checkpointer:
         direct_io: bool = False,
         drop_cache: bool = True,
         writer_ionice: int | None = 7,
+        incremental: bool | str = False,
     ) -> None:
         root = os.fspath(root)
         self.options = CheckpointerOptions.resolve(
@@ -114,6 +121,7 @@ class Checkpointer:
             staging=staging,
             direct_io=direct_io,
             drop_cache=drop_cache,
+            incremental=incremental,
         )
         self.root = local_path(root) if is_local(root) else root.rstrip("/")
         self.storage = storage_for(self.root, self.options.storage_options, self.options.tuning)
@@ -202,6 +210,7 @@ class Checkpointer:
         allow_pickle: bool | None = None,
         sharing: Mapping[str, Any] | None = None,
         staging: str | None = None,
+        frozen: Mapping[str, Iterable[str]] | None = None,
     ) -> SaveRequest:
         """Snapshot ``state`` and return at once; the writer process persists it in the background.
 
@@ -223,6 +232,9 @@ class Checkpointer:
         saved tensors in other ways (BatchNorm running statistics in a forward pass, manual
         in-place edits) must wait for ``request.staged`` first.  The default,
         ``staging="blocking"`` (or the Checkpointer's ``staging``), returns after the copy.
+
+        ``frozen={"model": ["embed.*"]}`` declares tensors (glob patterns per component)
+        unchanged since the previous save, for ``incremental`` Checkpointers.
 
         Raises before anything is written if the state holds values that cannot be stored
         (:class:`~ckptd.errors.UnsupportedValueError`), the sharding is invalid
@@ -248,6 +260,7 @@ class Checkpointer:
                 metrics=metrics,
                 started=started,
                 background=mode == "background",
+                frozen=frozen,
             )
         with self._pending_lock:
             self._pending.append(job.request)

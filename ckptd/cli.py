@@ -133,7 +133,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_consolidate(args: argparse.Namespace) -> int:
-    from .consolidate import consolidate
+    from .consolidation import consolidate
 
     manifest = consolidate(
         args.source,

@@ -60,7 +60,8 @@ class FlatComponent:
     ``tensors`` holds each distinct local tensor once; ``placements`` says, for the pieces of
     sharded tensors (DTensor, :class:`~ckptd.ShardedTensor`), where they sit in their global
     tensor; ``tied`` lists groups of keys that alias the same storage (first key is the one
-    stored); ``tree`` is the JSON-compatible structure.
+    stored); ``frozen`` the keys of parameters with ``requires_grad=False``; ``tree`` is the
+    JSON-compatible structure.
     """
 
     name: str
@@ -68,12 +69,15 @@ class FlatComponent:
     tree: Any
     tied: list[list[str]] = field(default_factory=list)
     placements: dict[str, Placement] = field(default_factory=dict)
+    frozen: frozenset[str] = frozenset()
 
 
 def component_state(value: Any) -> Any:
     """The state of one component: ``value.state_dict()`` for stateful objects, else ``value``."""
     if isinstance(value, torch.Tensor) or isinstance(value, Mapping):
         return value
+    if isinstance(value, torch.nn.Module):
+        return value.state_dict(keep_vars=True)  # Parameters keep requires_grad (frozen detection)
     state_dict = getattr(value, "state_dict", None)
     if callable(state_dict):
         return state_dict()
@@ -95,7 +99,8 @@ def flatten_component(name: str, value: Any, *, allow_pickle: bool = False) -> F
         for alias in group[1:]:
             del tensors[alias]
     placements = {k: p for k, p in encoder.placements.items() if k in tensors}
-    return FlatComponent(name=name, tensors=tensors, tree=tree, tied=tied, placements=placements)
+    frozen = frozenset(k for k in encoder.frozen if k in tensors)
+    return FlatComponent(name=name, tensors=tensors, tree=tree, tied=tied, placements=placements, frozen=frozen)
 
 
 def find_tied_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
@@ -134,6 +139,7 @@ class _Encoder:
         self.tensors: dict[str, torch.Tensor] = {}
         self.placements: dict[str, Placement] = {}
         self.leaves: dict[str, Any] = {}
+        self.frozen: set[str] = set()
 
     def _where(self, path: tuple[str, ...]) -> str:
         return ".".join((self.component, *path)) if path else self.component
@@ -158,6 +164,8 @@ class _Encoder:
         if is_dtensor(value):
             local, global_shape, offset, replica = describe_dtensor(value)
             key = self._add_tensor(local, path)
+            if isinstance(value, torch.nn.Parameter) and not value.requires_grad:
+                self.frozen.add(key)
             self.placements[key] = Placement(global_shape, offset, is_main_replica(replica))
             self.leaves[key] = value
             return {TAG: "tensor", "key": key, "sharded": "dtensor"}
@@ -216,6 +224,8 @@ class _Encoder:
             key = self._tensor_key(path)
         elif key in self.tensors:
             raise ConfigError(f"two sharded tensors in component {self.component!r} use the key {key!r}")
+        if isinstance(tensor, torch.nn.Parameter) and not tensor.requires_grad:
+            self.frozen.add(key)
         self.tensors[key] = tensor.detach()
         return key
 

@@ -149,10 +149,13 @@ class CheckpointReader:
     def _ckptd(cls, directory: str, storage: Storage, cache: FileCache | None = None) -> CheckpointReader:
         where = storage.join(directory, MANIFEST_NAME)
         manifest = Manifest.from_json(storage.read_bytes(where), where)
-        present = storage.sizes(directory)
+        listings: dict[str, dict[str, int]] = {}
         for name, record in manifest.files.items():
-            path = _safe_path(storage, directory, name, where)
-            actual = present.get(name)
+            holder = _holder(storage, directory, record.checkpoint)
+            path = _safe_path(storage, holder, name, where)
+            if holder not in listings:
+                listings[holder] = storage.sizes(holder)
+            actual = listings[holder].get(name)
             if actual is None:
                 raise CorruptCheckpointError(f"{path}: listed in the manifest but missing")
             if actual != record.size:
@@ -247,9 +250,16 @@ class CheckpointReader:
                 f"{self.directory}: no component {component!r} (has {sorted(self._sources)})"
             ) from None
 
+    def _path(self, file_name: str) -> str:
+        """Where a file of this checkpoint is: here, or in the sibling checkpoint that holds it
+        (files an incremental save reused)."""
+        record = self.manifest.files.get(file_name) if self.manifest is not None else None
+        holder = _holder(self.storage, self.directory, record.checkpoint if record else None)
+        return _safe_path(self.storage, holder, file_name, self.directory)
+
     def _open(self, file_name: str) -> RangeReader:
         """A range reader on a file of this checkpoint (through the local cache if configured)."""
-        path = _safe_path(self.storage, self.directory, file_name, self.directory)
+        path = self._path(file_name)
         if self.cache is not None:
             record = self.manifest.files.get(file_name) if self.manifest is not None else None
             return self.cache.open(self.storage, path, file_name, record)
@@ -258,7 +268,7 @@ class CheckpointReader:
     def _header(self, file_name: str) -> SafetensorsHeader:
         header = self._headers.get(file_name)
         if header is None:
-            path = self.storage.join(self.directory, file_name)
+            path = self._path(file_name)
             reader = self._open(file_name)
             try:
                 head = reader.read(0, min(reader.size, _HEADER_PREFETCH))
@@ -302,7 +312,7 @@ class CheckpointReader:
                 self.locate(name)
                 continue
             for file_name in set(source.weight_map.values()):
-                path = _safe_path(self.storage, self.directory, file_name, self.directory)
+                path = self._path(file_name)
                 if not self.storage.exists(path):
                     raise CorruptCheckpointError(f"{path}: listed in the index but missing")
 
@@ -321,7 +331,7 @@ class CheckpointReader:
         if self.manifest is None:
             return
         expected = self.manifest.files[name]
-        path = _safe_path(self.storage, self.directory, name, MANIFEST_NAME)
+        path = self._path(name)
         reader = self._open(name)
         try:
             value = 0
@@ -419,7 +429,7 @@ class CheckpointReader:
                 )
 
         def read_file(file_name: str) -> None:
-            path = self.storage.join(self.directory, file_name)
+            path = self._path(file_name)
             reader = self._open(file_name)
             try:
                 wanted = requests[file_name]
@@ -444,7 +454,7 @@ class CheckpointReader:
                 read_file(file_name)
 
     def _load_bin(self, file_name: str) -> dict[str, torch.Tensor]:
-        path = _safe_path(self.storage, self.directory, file_name, self.directory)
+        path = self._path(file_name)
         if self.storage.local:
             return load_bin(path)
         return load_bin_bytes(self.storage.read_bytes(path), path)
@@ -548,6 +558,14 @@ def _is_single_file(storage: Storage, path: str) -> bool:
     if storage.local:
         return os.path.isfile(path)
     return path.endswith((".safetensors", ".bin")) and storage.exists(path)
+
+
+def _holder(storage: Storage, directory: str, checkpoint: str | None) -> str:
+    """The directory holding a file: ``directory``, or its sibling ``checkpoint``."""
+    if checkpoint is None:
+        return directory
+    parent = os.path.dirname(directory) if storage.local else directory.rstrip("/").rsplit("/", 1)[0]
+    return storage.join(parent, checkpoint)
 
 
 def _safe_path(storage: Storage, directory: str, name: str, where: str) -> str:

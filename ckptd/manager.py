@@ -120,12 +120,17 @@ def remove_checkpoint(storage: Storage, path: str) -> None:
 
 
 def apply_retention(storage: Storage, root: str, keep_last: int, protect: set[str] | None = None) -> list[str]:
-    """Keep the ``keep_last`` newest checkpoints (plus any in ``protect``); delete the older ones."""
+    """Keep the ``keep_last`` newest checkpoints (plus any in ``protect``, and any whose files
+    the kept ones reference after incremental saves); delete the older ones."""
     protect = protect or set()
     checkpoints = list_checkpoints(storage, root)
+    cut = max(0, len(checkpoints) - keep_last)
+    kept = [info for info in checkpoints[cut:]] + [info for info in checkpoints[:cut] if info.path in protect]
+    referenced = {f.checkpoint for info in kept for f in info.manifest.files.values() if f.checkpoint}
     removed = []
-    for info in checkpoints[: max(0, len(checkpoints) - keep_last)]:
-        if info.path in protect:
+    for info in checkpoints[:cut]:
+        name = info.path.rstrip("/").rsplit("/", 1)[-1].rsplit(os.sep, 1)[-1]
+        if info.path in protect or name in referenced:
             continue
         remove_checkpoint(storage, info.path)
         removed.append(info.path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -55,10 +56,15 @@ def hf_index_name(component: str, kind: str = "safetensors") -> str:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """A file of the checkpoint: byte size and CRC32C (8 hex digits)."""
+    """A file of the checkpoint: byte size and CRC32C (8 hex digits).
+
+    ``checkpoint`` names the sibling checkpoint (``checkpoint-000100``, under the same root) that
+    holds the file when an incremental save reused it instead of writing it again.
+    """
 
     size: int
     crc32c: str
+    checkpoint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -193,7 +199,7 @@ class Manifest:
                 }
                 for name, c in self.components.items()
             },
-            "files": {name: {"size": f.size, "crc32c": f.crc32c} for name, f in self.files.items()},
+            "files": {name: _file_json(f) for name, f in self.files.items()},
             "timings": self.timings,
             "metadata": self.metadata,
             "metrics": self.metrics,
@@ -224,7 +230,7 @@ class Manifest:
                 f"{where}: format version {version} is newer than this ckptd supports ({FORMAT_VERSION}); upgrade ckptd"
             )
         files = {
-            check_file_name(name, where): FileRecord(int(f["size"]), str(f["crc32c"]))
+            check_file_name(name, where): FileRecord(int(f["size"]), str(f["crc32c"]), _reference(f, where))
             for name, f in body["files"].items()
         }
         components: dict[str, ComponentRecord] = {}
@@ -253,6 +259,25 @@ class Manifest:
             metrics=dict(body.get("metrics") or {}),
             format_version=version,
         )
+
+
+_REFERENCE_RE = re.compile(r"^checkpoint-\d+$")
+
+
+def _file_json(record: FileRecord) -> dict[str, Any]:
+    body: dict[str, Any] = {"size": record.size, "crc32c": record.crc32c}
+    if record.checkpoint is not None:
+        body["checkpoint"] = record.checkpoint
+    return body
+
+
+def _reference(body: dict[str, Any], where: str) -> str | None:
+    name = body.get("checkpoint")
+    if name is None:
+        return None
+    if not isinstance(name, str) or not _REFERENCE_RE.match(name):
+        raise CorruptCheckpointError(f"{where}: file reference {name!r} is not a sibling checkpoint name")
+    return name
 
 
 def _check_tensor(record: TensorRecord, where: str, files: Mapping[str, FileRecord]) -> None:

@@ -99,6 +99,8 @@ class CheckpointerOptions:
     ``tuning``: object-store part size (``CKPTD_PART_SIZE``), parts in flight per file
     (``CKPTD_PART_CONCURRENCY``) and attempts per request (``CKPTD_RETRY_ATTEMPTS``).
     ``cache_dir``: local directory caching files of remote checkpoints read by ``load``.
+    ``incremental``: reuse unchanged files of the previous save (``True``: files of frozen
+    tensors; ``"hash"``: also any file whose CRC32C the writer finds unchanged).
     """
 
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
@@ -114,6 +116,7 @@ class CheckpointerOptions:
     cache_dir: str | None = None
     cleanup_timeout: float = DEFAULT_CLEANUP_TIMEOUT
     staging: str = "blocking"
+    incremental: bool | str = False
 
     @classmethod
     def resolve(
@@ -136,6 +139,7 @@ class CheckpointerOptions:
         staging: str = "blocking",
         direct_io: bool = False,
         drop_cache: bool = True,
+        incremental: bool | str = False,
     ) -> CheckpointerOptions:
         """Combine explicit arguments (which win), ``CKPTD_*`` variables and defaults."""
         resolved_in_flight = (
@@ -161,6 +165,8 @@ class CheckpointerOptions:
         )
         if staging not in ("blocking", "background"):
             raise ConfigError(f"staging must be 'blocking' or 'background', got {staging!r}")
+        if incremental not in (False, True, "hash"):
+            raise ConfigError(f"incremental must be False, True or 'hash', got {incremental!r}")
         if tuning.part_size < MIN_PART_SIZE:
             raise ConfigError(f"part_size must be at least 5 MiB (the S3 minimum), got {tuning.part_size}")
         if tuning.part_concurrency < 1 or tuning.retry_attempts < 1:
@@ -191,4 +197,5 @@ class CheckpointerOptions:
             cache_dir=cache_dir,
             cleanup_timeout=_env_float("CKPTD_CLEANUP_TIMEOUT", DEFAULT_CLEANUP_TIMEOUT),
             staging=staging,
+            incremental=incremental,
         )

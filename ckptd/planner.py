@@ -81,6 +81,7 @@ class LocalTensor:
     shape: tuple[int, ...]
     sharded: bool = False
     main: bool = True
+    frozen: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -133,11 +134,13 @@ class RankPlan:
 
 @dataclass(frozen=True)
 class FilePlan:
-    """A shard file: its component, name and size."""
+    """A shard file: its component, name and size; ``frozen`` when it holds only tensors
+    declared unchanged since the previous save (incremental saves may reuse it)."""
 
     component: str
     file_name: str
     size: int
+    frozen: bool = False
 
 
 @dataclass(frozen=True)
@@ -250,12 +253,13 @@ def plan_save(
     max_shard_size: int,
     *,
     shared_files: bool = True,
-    component_kinds: dict[str, str] | None = None,
+    separate_frozen: bool = False,
 ) -> SavePlan:
     """Plan a save of every rank's tensors (``locals_by_rank[r]`` is rank ``r``'s list).
 
     ``shared_files`` allows several ranks to write one file (local storage); without it, every
-    file has one writer and row-sharded tensors are stored as chunks.
+    file has one writer and row-sharded tensors are stored as chunks.  ``separate_frozen`` puts
+    frozen tensors in files of their own (after the others), so incremental saves can reuse them.
     """
     world = len(locals_by_rank)
     logical = _logical_tensors(locals_by_rank)
@@ -301,20 +305,28 @@ def plan_save(
             piece = tensor.holders[tensor.holder_ranks.index(rank)]
             bucket.append(_Entry(item, ((rank, 0, item.nbytes, piece),)))
 
-    layouts: list[tuple[FileLayout, dict[str, _Entry]]] = []
+    frozen_keys = {(t.component, t.key) for t in logical if all(h.frozen for h in t.holders)}
+    layouts: list[tuple[FileLayout, dict[str, _Entry], bool]] = []
     for component, entries in entries_by_component.items():
-        groups = _group_entries(entries, max_shard_size, shared_files)
-        for number, group in enumerate(groups, start=1):
+
+        def is_frozen(entry: _Entry, component: str = component) -> bool:
+            return (component, entry.chunk_of or entry.item.key) in frozen_keys
+
+        groups: list[tuple[list[_Entry], bool]] = []
+        for frozen_group in (False, True) if separate_frozen else (None,):
+            members = [e for e in entries if frozen_group is None or is_frozen(e) == frozen_group]
+            groups.extend((g, frozen_group is True) for g in _group_entries(members, max_shard_size, shared_files))
+        for number, (group, frozen_file) in enumerate(groups, start=1):
             name = shard_file_name(component, number, len(groups))
             layout = plan_file(component, name, [e.item for e in group])
-            layouts.append((layout, {e.item.key: e for e in group}))
+            layouts.append((layout, {e.item.key: e for e in group}, frozen_file))
 
     parts_by_rank: list[list[tuple[str, int, PiecePart, int]]] = [[] for _ in range(world)]
     tensors: dict[str, dict[str, TensorRecord]] = {}
     files: list[FilePlan] = []
     chunk_records: dict[tuple[str, str], list[ChunkRecord]] = {}
-    for layout, by_key in layouts:
-        files.append(FilePlan(layout.component, layout.file_name, layout.size))
+    for layout, by_key, frozen_file in layouts:
+        files.append(FilePlan(layout.component, layout.file_name, layout.size, frozen_file))
         first_writer = by_key[layout.items[0].key].writers[0][0] if layout.items else 0
         parts_by_rank[first_writer].append(
             (layout.file_name, 0, PiecePart(0, len(layout.header), header=layout.header), layout.size)
@@ -344,7 +356,7 @@ def plan_save(
         for component in entries_by_component
     }
     rank_plans = tuple(_rank_plan(rank, parts) for rank, parts in enumerate(parts_by_rank))
-    signature = (max_shard_size, shared_files, tuple(tuple(local) for local in locals_by_rank))
+    signature = (max_shard_size, shared_files, separate_frozen, tuple(tuple(local) for local in locals_by_rank))
     return SavePlan(world, tuple(files), rank_plans, ordered_tensors, signature)
 
 

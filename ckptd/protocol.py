@@ -52,13 +52,15 @@ _MAX_FDS = 4
 class FileSpec:
     """Bytes to write: ``arena[arena_offset : arena_offset + size]`` into file ``name`` under the
     target directory.  ``whole_file``: the bytes are the entire file (created or truncated);
-    otherwise they go at ``file_offset`` of a file other ranks write into too (``pwrite``)."""
+    otherwise they go at ``file_offset`` of a file other ranks write into too (``pwrite``).
+    With ``skip_if_crc``, the writer checksums first and writes nothing if the CRC32C matches."""
 
     name: str
     arena_offset: int
     size: int
     file_offset: int = 0
     whole_file: bool = True
+    skip_if_crc: int | None = None  # incremental saves: the previous save's CRC32C of this file
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class FileResult:
     crc32c: int
     seconds: float
     file_offset: int = 0
+    reused: bool = False  # the bytes matched ``skip_if_crc``: nothing was written
 
 
 @dataclass(frozen=True)

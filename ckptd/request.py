@@ -14,12 +14,15 @@ __all__ = ["SaveRequest", "SaveResult"]
 
 @dataclass(frozen=True)
 class SaveResult:
-    """A committed checkpoint: where it is, how big, and how long each phase took (seconds)."""
+    """A committed checkpoint: where it is, the bytes this save wrote (``bytes_reused`` more
+    are referenced from earlier checkpoints by an incremental save), and how long each phase
+    took (seconds)."""
 
     step: int | None
     path: str
     bytes_written: int
     timings: dict[str, float] = field(default_factory=dict)
+    bytes_reused: int = 0
 
 
 class SaveRequest:

@@ -12,10 +12,12 @@ for.  Every wait has a deadline, and a rank that does not report is named in the
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import logging
+import os
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +36,7 @@ from .errors import (
 )
 from .flatten import FlatComponent, flatten_component
 from .formats.safetensors import dtype_name
-from .manager import apply_retention, staging_dir_name
+from .manager import apply_retention, read_manifest, staging_dir_name
 from .manifest import MANIFEST_NAME, FileRecord, Manifest
 from .options import CheckpointerOptions
 from .planner import LocalTensor, RankPlan, SavePlan, plan_save
@@ -71,6 +73,8 @@ class SaveJob:
     arena: StagingArena | None
     handle: StageHandle | None
     plan: SavePlan
+    reused: dict[str, FileRecord]  # files not written: the previous save's, referenced
+    hashed: dict[str, FileRecord]  # files written unless their CRC32C matches the previous save's
     payloads: tuple[_Payload, ...]
     key: str
     staging: str
@@ -87,7 +91,7 @@ def _describe(flat: FlatComponent) -> list[LocalTensor]:
         placement = flat.placements.get(key)
         if placement is None:
             shape = tuple(tensor.shape)
-            out.append(LocalTensor(flat.name, key, dtype, shape, (0,) * len(shape), shape))
+            out.append(LocalTensor(flat.name, key, dtype, shape, (0,) * len(shape), shape, frozen=key in flat.frozen))
         else:
             out.append(
                 LocalTensor(
@@ -131,6 +135,8 @@ class Saver:
         self.dist = dist
         self.rank = dist.rank if dist else 0
         self._plan: SavePlan | None = None
+        self._last_path: str | None = None  # the last committed save (incremental saves reuse its files)
+        self._last_manifest: Manifest | None = None
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-stage")
         self.guard = StepGuard()
 
@@ -154,6 +160,7 @@ class Saver:
         metrics: Mapping[str, Any] | None,
         started: float,
         background: bool = False,
+        frozen: Mapping[str, Iterable[str]] | None = None,
     ) -> SaveJob:
         """Describe, gather, plan and stage; returns the job for :meth:`complete`.
 
@@ -163,7 +170,7 @@ class Saver:
         own_error: BaseException | None = None
         flats: list[FlatComponent] = []
         try:
-            flats = self._flatten(state, sharing or {}, allow_pickle)
+            flats = self._flatten(state, sharing or {}, allow_pickle, frozen or {})
             if self._is_coordinator and not overwrite and self.storage.exists(self.storage.join(final, MANIFEST_NAME)):
                 raise CheckpointExistsError(f"checkpoint {final} already exists; pass overwrite=True to replace it")
             payload = self._payload(flats, step)
@@ -181,6 +188,9 @@ class Saver:
         coordinator = payloads[self.dist.coordinator if self.dist else 0]
         key = f"{coordinator.token}"
         rank_plan = plan.ranks[self.rank]
+        candidates = self._reusable(plan)
+        reused = {name: record for name, record in candidates.items() if plan_file_frozen(plan, name)}
+        hashed = {} if self.options.incremental != "hash" else {n: r for n, r in candidates.items() if n not in reused}
         arena: StagingArena | None = None
         handle: StageHandle | None = None
         waited = 0.0
@@ -192,7 +202,7 @@ class Saver:
                 staged_at = time.perf_counter()
                 try:
                     tensors = {c.name: c.tensors for c in flats}
-                    handle = arena.stage(tensors, self._stager if background else None)
+                    handle = arena.stage(tensors, self._stager if background else None, frozenset(reused))
                 except BaseException:
                     self.pool.release(arena)
                     raise
@@ -211,6 +221,8 @@ class Saver:
             arena=arena,
             handle=handle,
             plan=plan,
+            reused=reused,
+            hashed=hashed,
             payloads=payloads,
             key=key,
             staging=coordinator.staging or final,
@@ -247,7 +259,13 @@ class Saver:
     def _is_coordinator(self) -> bool:
         return self.dist is None or self.dist.is_coordinator
 
-    def _flatten(self, state: Mapping[str, Any], sharing: Mapping[str, Any], allow_pickle: bool) -> list[FlatComponent]:
+    def _flatten(
+        self,
+        state: Mapping[str, Any],
+        sharing: Mapping[str, Any],
+        allow_pickle: bool,
+        frozen: Mapping[str, Iterable[str]] | None = None,
+    ) -> list[FlatComponent]:
         if not isinstance(state, Mapping) or not state:
             raise ConfigError("state must be a non-empty mapping of component names to state")
         unknown = set(sharing) - set(state)
@@ -259,6 +277,10 @@ class Saver:
             if pattern == Sharing.GLOBAL and not self._is_coordinator:
                 continue
             flat = flatten_component(name, value, allow_pickle=allow_pickle)
+            patterns = list((frozen or {}).get(name, ()))
+            if patterns:
+                declared = {k for k in flat.tensors if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
+                flat = dataclasses.replace(flat, frozen=flat.frozen | declared)
             if pattern == Sharing.PER_RANK and self.dist is not None:
                 flat = dataclasses.replace(flat, name=f"{name}@rank{self.rank}")
             elif pattern == Sharing.PER_GROUP and self.dist is not None:
@@ -289,11 +311,51 @@ class Saver:
 
     def _plan_for(self, payloads: Sequence[_Payload]) -> SavePlan:
         locals_by_rank = [p.locals for p in payloads]
-        signature = (self.options.max_shard_size, self.storage.local, tuple(tuple(x) for x in locals_by_rank))
+        separate = bool(self.options.incremental)
+        signature = (
+            self.options.max_shard_size,
+            self.storage.local,
+            separate,
+            tuple(tuple(x) for x in locals_by_rank),
+        )
         if self._plan is not None and self._plan.signature == signature:
             return self._plan
-        self._plan = plan_save(locals_by_rank, self.options.max_shard_size, shared_files=self.storage.local)
+        self._plan = plan_save(
+            locals_by_rank, self.options.max_shard_size, shared_files=self.storage.local, separate_frozen=separate
+        )
         return self._plan
+
+    def _reusable(self, plan: SavePlan) -> dict[str, FileRecord]:
+        """Files of ``plan`` laid out exactly as in the last committed save (same name, size and
+        tensor records), referenced to the checkpoint that holds them."""
+        if not self.options.incremental or self._last_path is None:
+            return {}
+        if self._last_manifest is None:
+            self._last_manifest = read_manifest(self.storage, self._last_path)
+        previous = self._last_manifest
+        if previous is None:
+            return {}
+        holder = self._last_path.rstrip("/").rsplit("/", 1)[-1].rsplit(os.sep, 1)[-1]
+        out: dict[str, FileRecord] = {}
+        for file in plan.files:
+            record = previous.files.get(file.file_name)
+            if record is None or record.size != file.size:
+                continue
+            mine = {
+                (c, k): t
+                for c, tensors in plan.tensors.items()
+                for k, t in tensors.items()
+                if file.file_name in t.files
+            }
+            theirs = {
+                (c, k): t
+                for c, component in previous.components.items()
+                for k, t in component.tensors.items()
+                if file.file_name in t.files
+            }
+            if mine == theirs:
+                out[file.file_name] = FileRecord(record.size, record.crc32c, record.checkpoint or holder)
+        return out
 
     def _report_early_failure(self, key: str, error: BaseException) -> None:
         """This rank failed before it could write: tell the others (nobody waits for us)."""
@@ -453,7 +515,16 @@ class Saver:
                 arena_id=job.arena.arena_id,
                 directory=job.staging,
                 files=[
-                    FileSpec(p.file_name, p.arena_offset, p.size, p.file_offset, p.whole_file) for p in rank_plan.pieces
+                    FileSpec(
+                        p.file_name,
+                        p.arena_offset,
+                        p.size,
+                        p.file_offset,
+                        p.whole_file,
+                        _crc_int(job.hashed.get(p.file_name)) if p.whole_file else None,
+                    )
+                    for p in rank_plan.pieces
+                    if p.file_name not in job.reused
                 ],
                 storage_options=self.options.storage_options,
                 fsync=self.options.fsync,
@@ -488,7 +559,7 @@ class Saver:
             job.staging,
             job.request.path,
             step=job.request.step,
-            written=combine_pieces(job.plan, results),
+            written=combine_pieces(job.plan, results, job.reused, job.hashed),
             expected_sizes={f.file_name: f.size for f in job.plan.files},
             tensors=job.plan.tensors,
             components=[ComponentInfo(name, "safetensors", tied[name], sharing=sharing[name]) for name in trees],
@@ -502,13 +573,16 @@ class Saver:
         )
 
     def _finish(self, job: SaveJob, manifest: Manifest | None, bytes_written: int = 0) -> SaveResult:
+        bytes_reused = 0
         if manifest is not None:
             if self.options.keep_last is not None:
                 apply_retention(self.storage, self.root, self.options.keep_last, protect={job.request.path})
             job.request.timings.update(manifest.timings)
-            bytes_written = sum(f.size for f in manifest.files.values())
+            bytes_written = sum(f.size for f in manifest.files.values() if f.checkpoint is None)
+            bytes_reused = sum(f.size for f in manifest.files.values() if f.checkpoint is not None)
+        self._last_path, self._last_manifest = job.request.path, manifest
         job.request.timings["total"] = time.perf_counter() - job.started
-        return SaveResult(job.request.step, job.request.path, bytes_written, dict(job.request.timings))
+        return SaveResult(job.request.step, job.request.path, bytes_written, dict(job.request.timings), bytes_reused)
 
 
 def _mark_staged(handle: StageHandle, request: SaveRequest) -> None:
@@ -516,14 +590,34 @@ def _mark_staged(handle: StageHandle, request: SaveRequest) -> None:
     request.staged.set()
 
 
-def combine_pieces(plan: SavePlan, results: Sequence[FileResult]) -> dict[str, FileRecord]:
+def _crc_int(record: FileRecord | None) -> int | None:
+    return int(record.crc32c, 16) if record is not None else None
+
+
+def plan_file_frozen(plan: SavePlan, file_name: str) -> bool:
+    return any(f.file_name == file_name and f.frozen for f in plan.files)
+
+
+def combine_pieces(
+    plan: SavePlan,
+    results: Sequence[FileResult],
+    reused: Mapping[str, FileRecord] | None = None,
+    hashed: Mapping[str, FileRecord] | None = None,
+) -> dict[str, FileRecord]:
     """File records from per-piece write results: every file must be covered exactly, in order;
-    the pieces' CRC32Cs combine into the file's."""
+    the pieces' CRC32Cs combine into the file's.  Files an incremental save did not write
+    (``reused``, or ``hashed`` ones whose checksum matched) keep the earlier checkpoint's record."""
     by_file: dict[str, list[FileResult]] = {}
     for result in results:
         by_file.setdefault(result.name, []).append(result)
-    records: dict[str, FileRecord] = {}
+    records: dict[str, FileRecord] = dict(reused or {})
     for file in plan.files:
+        if file.file_name in records:
+            continue
+        written = by_file.get(file.file_name, [])
+        if hashed and file.file_name in hashed and written and all(r.reused for r in written):
+            records[file.file_name] = hashed[file.file_name]
+            continue
         pieces = sorted(by_file.get(file.file_name, []), key=lambda r: r.file_offset)
         position = 0
         value = 0

@@ -48,7 +48,7 @@ class StagingArena:
         self.plan: RankPlan | None = None
         self.busy = False
         self._base: torch.Tensor | None = torch.frombuffer(self.segment.mmap, dtype=torch.uint8)
-        self._views: list[tuple[str, str, torch.Tensor]] = []
+        self._views: list[tuple[str, str, str, torch.Tensor]] = []
         self._stream: Any = None
         self.pinned = _pin(self._base)
 
@@ -63,7 +63,7 @@ class StagingArena:
         base = self._require_base()
         if plan.arena_size > self.size:
             raise ValueError(f"plan needs {plan.arena_size} bytes, arena {self.arena_id} has {self.size}")
-        views: list[tuple[str, str, torch.Tensor]] = []
+        views: list[tuple[str, str, str, torch.Tensor]] = []
         for piece in plan.pieces:
             for part in piece.parts:
                 start = piece.arena_offset + part.offset
@@ -72,14 +72,18 @@ class StagingArena:
                     base[start : start + part.nbytes].copy_(header)
                     continue
                 view = base[start : start + part.nbytes].view(dtype_from_name(part.dtype)).view(part.shape)
-                views.append((part.component, part.key, view))
+                views.append((piece.file_name, part.component, part.key, view))
         self._views = views
         self.plan = plan
 
     def stage(
-        self, tensors: Mapping[str, Mapping[str, torch.Tensor]], background: Executor | None = None
+        self,
+        tensors: Mapping[str, Mapping[str, torch.Tensor]],
+        background: Executor | None = None,
+        skip_files: frozenset[str] = frozenset(),
     ) -> StageHandle:
-        """Copy every planned local tensor (``tensors[component][key]``) into its arena slot.
+        """Copy every planned local tensor (``tensors[component][key]``) into its arena slot,
+        except those of ``skip_files`` (reused by an incremental save).
 
         Without ``background`` the copies are done (and CUDA ones synchronised) on return.  With
         an executor, CPU copies run on it and CUDA copies are queued on a side stream; the
@@ -89,7 +93,9 @@ class StagingArena:
             raise ValueError("arena has no layout")
         cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
         cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for component, key, view in self._views:
+        for file_name, component, key, view in self._views:
+            if file_name in skip_files:
+                continue
             source = tensors[component][key]
             (cuda if source.is_cuda else cpu).append((view, source))
         handle = StageHandle()

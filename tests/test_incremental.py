@@ -1,0 +1,88 @@
+"""Incremental saves: unchanged files are referenced, not rewritten."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import assert_same
+
+import ckptd
+
+
+class LoRAish(torch.nn.Module):
+    """A frozen base (embedding + projection) and a small trainable adapter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(512, 64)
+        self.base = torch.nn.Linear(64, 64)
+        self.adapter = torch.nn.Linear(64, 64)
+        for p in [*self.embed.parameters(), *self.base.parameters()]:
+            p.requires_grad_(False)
+
+
+def manifest_of(path: str) -> dict:
+    with open(os.path.join(path, "checkpoint_manifest.json")) as f:
+        return json.load(f)
+
+
+def test_frozen_parameters_are_written_once_and_referenced_after(root):
+    torch.manual_seed(0)
+    model = LoRAish()
+    with ckptd.Checkpointer(root, incremental=True) as ckpt:
+        first = ckpt.save(1, {"model": model})
+        with torch.no_grad():
+            model.adapter.weight.add_(1.0)
+        second = ckpt.save(2, {"model": model})
+        assert second.bytes_reused > 0 and second.bytes_reused > 4 * second.bytes_written
+        assert first.bytes_reused == 0
+        files = manifest_of(second.path)["files"]
+        reused = {n for n, f in files.items() if f.get("checkpoint") == "checkpoint-000001"}
+        assert reused and all(not os.path.exists(os.path.join(second.path, n)) for n in reused)
+        assert_same(model.state_dict(), ckpt.load(2)["model"])
+        ckpt.load(2, verify=True)
+        fresh = LoRAish()
+        ckpt.load(2, into={"model": fresh})
+        assert_same(model.state_dict(), fresh.state_dict())
+        third = ckpt.save(3, {"model": model})
+        assert {f.get("checkpoint") for f in manifest_of(third.path)["files"].values()} >= {"checkpoint-000001"}
+
+
+def test_retention_keeps_referenced_checkpoints_and_consolidate_materialises(root, tmp_path):
+    torch.manual_seed(0)
+    model = LoRAish()
+    with ckptd.Checkpointer(root, incremental=True, keep_last=1) as ckpt:
+        for step in range(1, 4):
+            with torch.no_grad():
+                model.adapter.bias.add_(1.0)
+            ckpt.save(step, {"model": model})
+        assert ckpt.steps() == [1, 3], "step 1 holds the frozen files step 3 references"
+        out = str(tmp_path / "standalone")
+        ckptd.consolidate(ckpt.path_for(3), out)
+    assert all("checkpoint" not in f for f in manifest_of(out)["files"].values())
+    assert_same(model.state_dict(), ckptd.load_checkpoint(out))
+
+
+def test_declared_frozen_keys_and_hash_mode(root):
+    state = {"table": torch.randn(256, 256), "head": torch.randn(256)}
+    frozen = {"model": ["tab*"]}
+    with ckptd.Checkpointer(root, incremental="hash", max_shard_size="100KB") as ckpt:
+        ckpt.save(1, {"model": state, "extra": {"static": torch.arange(50000)}}, frozen=frozen)
+        state["head"].add_(1)
+        result = ckpt.save(2, {"model": state, "extra": {"static": torch.arange(50000)}}, frozen=frozen)
+        files = manifest_of(result.path)["files"]
+        by_reference = {n: f.get("checkpoint") for n, f in files.items()}
+        assert by_reference["extra-00001-of-00001.safetensors"] == "checkpoint-000001", "unchanged: found by hash"
+        assert any(n.startswith("model-") and r == "checkpoint-000001" for n, r in by_reference.items())
+        assert any(n.startswith("model-") and r is None for n, r in by_reference.items()), "the changed file"
+        loaded = ckpt.load(2)
+        assert_same(state, loaded["model"])
+        assert_same(torch.arange(50000), loaded["extra"]["static"])
+
+
+def test_incremental_option_is_validated(root):
+    with pytest.raises(ckptd.errors.ConfigError, match="incremental"):
+        ckptd.Checkpointer(root, incremental="sometimes")
