@@ -137,6 +137,7 @@ class Saver:
         self._plan: SavePlan | None = None
         self._last_path: str | None = None  # the last committed save (incremental saves reuse its files)
         self._last_manifest: Manifest | None = None
+        self._patterns: dict[str, str] = {}  # stored component name -> sharing pattern
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-stage")
         self.guard = StepGuard()
 
@@ -288,6 +289,7 @@ class Saver:
 
                 leader = min(torch_dist.get_process_group_ranks(group))
                 flat = dataclasses.replace(flat, name=f"{name}@group{leader}")
+            self._patterns[flat.name] = pattern
             flats.append(flat)
         return flats
 
@@ -302,7 +304,7 @@ class Saver:
             if self._is_coordinator or qualified:
                 trees[flat.name] = flat.tree
                 tied[flat.name] = flat.tied
-                sharing[flat.name] = flat.name.split("@", 1)[1].rstrip("0123456789") if qualified else "replicated"
+                sharing[flat.name] = self._patterns.get(flat.name, Sharing.REPLICATED)
         token = secrets.token_hex(8) if self._is_coordinator else ""
         staging = ""
         if self._is_coordinator and self.storage.local:

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import assert_same
 from distributed import run_ranks
 
@@ -503,3 +504,33 @@ def test_runs_under_torchrun(tmp_path):
     with ckptd.Checkpointer(root) as ckpt:
         assert ckpt.manifest(1).world_size == 2
         assert_same(torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3] * 2), ckpt.load(1)["model"]["w"])
+
+
+# ---- sharing patterns: GLOBAL and PER_GROUP (Forgather's names) ---------------------------------
+
+
+def save_and_load_patterns(rank: int, world: int, root: str) -> dict[str, object]:
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[rank // 2]
+    state = {
+        "stage": {"w": torch.full((4,), float(rank // 2))},  # one copy per pipeline stage
+        "scheduler": {"lr": 0.1 * (rank + 1)},  # the coordinator's copy is the one saved
+        "rng": {"seed": torch.tensor(rank)},
+    }
+    sharing = {"stage": ("PER_GROUP", mine), "scheduler": "GLOBAL", "rng": "PER_RANK"}
+    with ckptd.Checkpointer(root, dist_timeout=60) as ckpt:
+        path = ckpt.save(1, state, sharing=sharing).path
+        loaded = ckpt.load(1, sharing={"stage": ("PER_GROUP", mine)})
+    return {"path": path, "stage": loaded["stage"]["w"], "lr": loaded["scheduler"]["lr"], "seed": loaded["rng"]["seed"]}
+
+
+def test_global_per_group_and_per_rank_sharing(tmp_path):
+    root = str(tmp_path / "ckpts")
+    results = run_ranks(4, save_and_load_patterns, root)
+    for rank, outcome in results.items():
+        assert_same(torch.full((4,), float(rank // 2)), outcome["stage"], f"rank {rank}")
+        assert outcome["lr"] == 0.1 and int(outcome["seed"]) == rank
+    manifest = json.loads(open(os.path.join(results[0]["path"], "checkpoint_manifest.json")).read())
+    assert set(manifest["components"]) >= {"stage@group0", "stage@group2", "rng@rank3", "scheduler"}
+    assert manifest["components"]["stage@group2"]["sharing"] == "per_group"
+    assert manifest["components"]["scheduler"]["sharing"] == "global"
