@@ -30,10 +30,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
     nbytes = sum(p.numel() * p.element_size() for p in params)
     root = args.dir or tempfile.mkdtemp(prefix="ckptd-demo-")
-    print(f"ckptd demo: {nbytes / 2**20:.1f} MiB of parameters (+2x Adam state), saving to {root}")
+    print(
+        f"ckptd demo: {nbytes / 2**20:.1f} MiB of parameters (+2x Adam state), {args.staging} staging, "
+        f"saving to {root}"
+    )
     step_times: list[float] = []
     requests = []
-    with Checkpointer(root, keep_last=args.keep) as ckpt:
+    with Checkpointer(root, keep_last=args.keep, staging=args.staging) as ckpt:
         for step in range(1, args.steps + 1):
             started = time.perf_counter()
             batch = torch.randn(8, 32, args.width)
@@ -175,6 +178,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--width", type=int, default=256, help="model width")
     demo.add_argument("--layers", type=int, default=4)
     demo.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+    demo.add_argument(
+        "--staging",
+        choices=("blocking", "background"),
+        default="blocking",
+        help="background: return before the copy; the next optimizer step waits for it",
+    )
     demo.set_defaults(func=_cmd_demo)
     ls = sub.add_parser("ls", help="list committed checkpoints under a root")
     ls.add_argument("root")
