@@ -15,7 +15,7 @@ import secrets
 from .checksum import crc32c, format_crc
 from .errors import CorruptCheckpointError
 from .manifest import FileRecord
-from .storage import LocalStorage, RangeReader, Storage
+from .storage import LocalStorage, RangeReader, Storage, read_chunks
 
 __all__ = ["FileCache"]
 
@@ -45,11 +45,7 @@ class FileCache:
         try:
             value = 0
             with open(tmp, "wb") as out:
-                buffer = bytearray(min(_CHUNK, max(source.size, 1)))
-                view = memoryview(buffer)
-                for start in range(0, source.size, len(buffer)):
-                    chunk = view[: min(len(buffer), source.size - start)]
-                    source.read_into(start, chunk)
+                for chunk in read_chunks(source, source.size, _CHUNK):
                     value = crc32c(chunk, value)
                     out.write(chunk)
             if record is not None and (source.size != record.size or format_crc(value) != record.crc32c):

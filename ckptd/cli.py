@@ -31,8 +31,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     nbytes = sum(p.numel() * p.element_size() for p in params)
     root = args.dir or tempfile.mkdtemp(prefix="ckptd-demo-")
     print(
-        f"ckptd demo: {nbytes / 2**20:.1f} MiB of parameters (+2x Adam state), {args.staging} staging, "
-        f"saving to {root}"
+        f"ckptd demo: {nbytes / 2**20:.1f} MiB of parameters (+2x Adam state), {args.staging} staging, saving to {root}"
     )
     step_times: list[float] = []
     requests = []

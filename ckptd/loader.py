@@ -33,7 +33,16 @@ from .formats.safetensors import DTYPE_ITEMSIZE, SafetensorsHeader, dtype_from_n
 from .formats.torch_bin import load_bin, load_bin_bytes
 from .manifest import MANIFEST_NAME, Manifest, TensorRecord, parse_state_file
 from .sharding import Box, ShardedTensor, describe_dtensor, intersect, is_dtensor, paired_runs
-from .storage import RangeReader, Storage, StorageTuning, check_file_name, is_local, local_path, storage_for
+from .storage import (
+    RangeReader,
+    Storage,
+    StorageTuning,
+    check_file_name,
+    is_local,
+    local_path,
+    read_chunks,
+    storage_for,
+)
 
 __all__ = [
     "CheckpointReader",
@@ -335,11 +344,7 @@ class CheckpointReader:
         reader = self._open(name)
         try:
             value = 0
-            buffer = bytearray(min(_VERIFY_CHUNK, max(expected.size, 1)))
-            view = memoryview(buffer)
-            for start in range(0, expected.size, len(buffer)):
-                chunk = view[: min(len(buffer), expected.size - start)]
-                reader.read_into(start, chunk)
+            for chunk in read_chunks(reader, expected.size, _VERIFY_CHUNK):
                 value = crc32c(chunk, value)
         finally:
             reader.close()

@@ -16,6 +16,7 @@ from .base import (
     check_file_name,
     is_local,
     local_path,
+    read_chunks,
     storage_error,
 )
 from .local import LocalStorage
@@ -30,6 +31,7 @@ __all__ = [
     "in_process_only",
     "is_local",
     "local_path",
+    "read_chunks",
     "storage_error",
     "storage_for",
 ]

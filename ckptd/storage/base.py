@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import errno as errno_codes
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,6 +23,7 @@ __all__ = [
     "Storage",
     "StorageTuning",
     "check_file_name",
+    "read_chunks",
     "is_local",
     "local_path",
     "storage_error",
@@ -105,6 +106,16 @@ class RangeReader(Protocol):
     def read(self, offset: int, length: int) -> bytes: ...
 
     def close(self) -> None: ...
+
+
+def read_chunks(reader: RangeReader, size: int, chunk_size: int = 16 * 1024 * 1024) -> Iterator[memoryview]:
+    """The first ``size`` bytes of an open file, in order, through one reused buffer (each chunk
+    is valid until the next one is read)."""
+    buffer = memoryview(bytearray(min(chunk_size, max(size, 1))))
+    for start in range(0, size, len(buffer)):
+        chunk = buffer[: min(len(buffer), size - start)]
+        reader.read_into(start, chunk)
+        yield chunk
 
 
 class Storage(Protocol):
