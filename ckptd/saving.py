@@ -62,6 +62,7 @@ class _Payload:
     sharing: dict[str, str] = field(default_factory=dict)
     token: str = ""
     staging: str = ""
+    last_committed: str | None = None  # the save an incremental save may reuse files of
     error: tuple[str, str] | None = None  # (exception type name, message)
 
 
@@ -189,7 +190,10 @@ class Saver:
         coordinator = payloads[self.dist.coordinator if self.dist else 0]
         key = f"{coordinator.token}"
         rank_plan = plan.ranks[self.rank]
-        candidates = self._reusable(plan)
+        # Reuse only when every rank agrees on the last committed save (a rank whose completion
+        # thread has not seen the last commit yet would otherwise plan different writes).
+        agreed = {p.last_committed for p in payloads}
+        candidates = self._reusable(plan) if len(agreed) == 1 and None not in agreed else {}
         reused = {name: record for name, record in candidates.items() if plan_file_frozen(plan, name)}
         hashed = {} if self.options.incremental != "hash" else {n: r for n, r in candidates.items() if n not in reused}
         arena: StagingArena | None = None
@@ -309,7 +313,7 @@ class Saver:
         staging = ""
         if self._is_coordinator and self.storage.local:
             staging = self.storage.join(self.root, staging_dir_name(step))
-        return _Payload(self.rank, tuple(locals_), trees, tied, sharing, token, staging)
+        return _Payload(self.rank, tuple(locals_), trees, tied, sharing, token, staging, self._last_path)
 
     def _plan_for(self, payloads: Sequence[_Payload]) -> SavePlan:
         locals_by_rank = [p.locals for p in payloads]
@@ -582,6 +586,8 @@ class Saver:
             job.request.timings.update(manifest.timings)
             bytes_written = sum(f.size for f in manifest.files.values() if f.checkpoint is None)
             bytes_reused = sum(f.size for f in manifest.files.values() if f.checkpoint is not None)
+        if manifest is None and self.options.incremental:
+            manifest = read_manifest(self.storage, job.request.path)  # here, not on the next save's critical path
         self._last_path, self._last_manifest = job.request.path, manifest
         job.request.timings["total"] = time.perf_counter() - job.started
         return SaveResult(job.request.step, job.request.path, bytes_written, dict(job.request.timings), bytes_reused)

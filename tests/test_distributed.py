@@ -534,3 +534,26 @@ def test_global_per_group_and_per_rank_sharing(tmp_path):
     assert set(manifest["components"]) >= {"stage@group0", "stage@group2", "rng@rank3", "scheduler"}
     assert manifest["components"]["stage@group2"]["sharing"] == "per_group"
     assert manifest["components"]["scheduler"]["sharing"] == "global"
+
+
+def incremental_two_saves(rank: int, world: int, root: str) -> dict[str, object]:
+    torch.manual_seed(0)
+    frozen = torch.nn.Embedding(256, 64)
+    frozen.weight.requires_grad_(False)
+    model = torch.nn.ModuleDict({"embed": frozen, "head": torch.nn.Linear(64, 8)})
+    with ckptd.Checkpointer(root, dist_timeout=60, incremental=True) as ckpt:
+        ckpt.save(1, {"model": model})
+        with torch.no_grad():
+            model["head"].bias.add_(1)
+        second = ckpt.save(2, {"model": model})
+        loaded = ckpt.load(2)["model"]
+    assert_same(model.state_dict(), loaded)
+    return {"reused": second.bytes_reused, "path": second.path}
+
+
+def test_incremental_saves_across_ranks(tmp_path):
+    root = str(tmp_path / "ckpts")
+    results = run_ranks(2, incremental_two_saves, root)
+    assert results[0]["reused"] >= 256 * 64 * 4
+    manifest = json.loads(open(os.path.join(results[0]["path"], "checkpoint_manifest.json")).read())
+    assert any(f.get("checkpoint") == "checkpoint-000001" for f in manifest["files"].values())
