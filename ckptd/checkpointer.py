@@ -238,7 +238,9 @@ class Checkpointer:
 
         Raises before anything is written if the state holds values that cannot be stored
         (:class:`~ckptd.errors.UnsupportedValueError`), the sharding is invalid
-        (:class:`~ckptd.errors.ShardingError`) or the checkpoint already exists.
+        (:class:`~ckptd.errors.ShardingError`) or the checkpoint already exists on local
+        storage (:class:`~ckptd.errors.CheckpointExistsError`; on object stores the
+        create-only claim reports it from ``wait()``, keeping a round trip off this call).
         """
         started = time.perf_counter()
         self._check_open()

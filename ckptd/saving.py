@@ -17,7 +17,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,22 +169,18 @@ class Saver:
         With ``background`` the copy runs on the staging thread (CUDA copies on a side stream)
         and the next optimizer step waits for it instead of this call.
         """
-        own_error: BaseException | None = None
         flats: list[FlatComponent] = []
-        try:
-            flats = self._flatten(state, sharing or {}, allow_pickle, frozen or {})
-            if self._is_coordinator and not overwrite and self.storage.exists(self.storage.join(final, MANIFEST_NAME)):
-                raise CheckpointExistsError(f"checkpoint {final} already exists; pass overwrite=True to replace it")
-            payload = self._payload(flats, step)
-        except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here below
-            own_error = e
-            payload = _Payload(self.rank, error=(type(e).__name__, str(e)))
-        payloads = tuple(self.dist.all_gather(payload) if self.dist else [payload])
-        errors = _error_of(payloads)
-        if own_error is not None:
-            raise own_error
-        if errors:
-            raise _planning_failure(errors)
+
+        def describe() -> _Payload:
+            flats.extend(self._flatten(state, sharing or {}, allow_pickle, frozen or {}))
+            # Local stores: refuse an existing step now (a stat).  Object stores learn it from
+            # the create-only claim in the completion thread, off the caller's critical path.
+            if self._is_coordinator and not overwrite and self.storage.local:
+                if self.storage.exists(self.storage.join(final, MANIFEST_NAME)):
+                    raise CheckpointExistsError(f"checkpoint {final} already exists; pass overwrite=True to replace it")
+            return self._payload(flats, step)
+
+        payloads = self._gather(describe)
         plan = self._plan_for(payloads)
         planned = time.perf_counter()
         coordinator = payloads[self.dist.coordinator if self.dist else 0]
@@ -240,10 +236,22 @@ class Saver:
     def prepare(self, state: Mapping[str, Any], *, sharing: Mapping[str, Any] | None, allow_pickle: bool) -> int:
         """Plan ``state`` and allocate its staging arena now (collective like a save); returns
         the arena's size.  The first save of the same layout then only copies."""
+        payloads = self._gather(lambda: self._payload(self._flatten(state, sharing or {}, allow_pickle), 0))
+        rank_plan = self._plan_for(payloads).ranks[self.rank]
+        if not rank_plan.pieces:
+            return 0
+        arena, _ = self.pool.acquire(rank_plan)
+        self.pool.release(arena)
+        self.writer.ensure_running()  # hands the arena to the writer now, not at the first save
+        return arena.size
+
+    def _gather(self, describe: Callable[[], _Payload]) -> tuple[_Payload, ...]:
+        """Every rank's description (the one collective of a save).  A rank that cannot describe
+        its state says so in the same collective, so every rank raises instead of hanging."""
         own_error: BaseException | None = None
         try:
-            payload = self._payload(self._flatten(state, sharing or {}, allow_pickle), 0)
-        except Exception as e:  # noqa: BLE001 - reported to every rank
+            payload = describe()
+        except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here below
             own_error = e
             payload = _Payload(self.rank, error=(type(e).__name__, str(e)))
         payloads = tuple(self.dist.all_gather(payload) if self.dist else [payload])
@@ -252,13 +260,7 @@ class Saver:
         errors = _error_of(payloads)
         if errors:
             raise _planning_failure(errors)
-        rank_plan = self._plan_for(payloads).ranks[self.rank]
-        if not rank_plan.pieces:
-            return 0
-        arena, _ = self.pool.acquire(rank_plan)
-        self.pool.release(arena)
-        self.writer.ensure_running()  # hands the arena to the writer now, not at the first save
-        return arena.size
+        return payloads
 
     @property
     def _is_coordinator(self) -> bool:
