@@ -386,8 +386,11 @@ class Saver:
 
     def _complete_alone(self, job: SaveJob, timings: dict[str, float]) -> SaveResult:
         try:
-            self._prepare(job)
-            results = self._write(job, timings)
+            try:
+                self._prepare(job)
+                results = self._write(job, timings)
+            finally:
+                self._release(job)
             manifest = self._commit(job, results, timings)
         except CheckpointExistsError:
             if job.staging != job.request.path:
@@ -550,7 +553,10 @@ class Saver:
         return list(written.results)
 
     def _release(self, job: SaveJob) -> None:
+        """Give the arena back (once a background copy into it has finished)."""
         if job.arena is not None and job.arena.busy:
+            if job.handle is not None:
+                job.handle.done.wait()
             self.pool.release(job.arena)
 
     def _commit(self, job: SaveJob, results: Sequence[FileResult], timings: dict[str, float]) -> Manifest:

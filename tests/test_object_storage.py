@@ -282,3 +282,14 @@ def test_cli_lists_verifies_and_collects_garbage_on_s3(s3: S3Place, capsys):
     assert "checkpoint-000005" in capsys.readouterr().out
     assert s3.keys(old) == [] and s3.uploads() == []
     assert s3.keys(fresh) == [fresh + ".ckptd-claim"]
+
+
+def test_existing_step_on_s3_is_refused_unless_overwrite(s3: S3Place):
+    with ckptd.Checkpointer(s3.url(), storage_options=s3.options()) as ckpt:
+        ckpt.save(1, {"model": model_state(n=1)})
+        with pytest.raises(CheckpointExistsError, match="overwrite=True"):
+            ckpt.save(1, {"model": model_state(n=1, seed=3)})
+        assert_same(model_state(n=1), ckpt.load(1)["model"])
+        ckpt.save(1, {"model": model_state(n=1, seed=3)}, overwrite=True)
+        assert_same(model_state(n=1, seed=3), ckpt.load(1, verify=True)["model"])
+        assert s3.uploads() == []
