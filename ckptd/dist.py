@@ -108,7 +108,13 @@ class DistContext:
     def all_gather(self, payload: Any) -> list[Any]:
         """Every rank's ``payload``, in rank order (the one collective of a save)."""
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, payload, group=self.group)
+        try:
+            dist.all_gather_object(out, payload, group=self.group)
+        except Exception as e:  # noqa: BLE001 - gloo reports a dead peer as one of several errors
+            raise DistributedSaveError(
+                f"planning the save failed: the collective over {self.world_size} ranks did not complete "
+                f"(a rank died, or did not call async_save/prepare): {e}"
+            ) from e
         return out
 
     # ---- the store ------------------------------------------------------------------------
