@@ -110,7 +110,7 @@ class DistContext:
         out: list[Any] = [None] * self.world_size
         try:
             dist.all_gather_object(out, payload, group=self.group)
-        except Exception as e:  # noqa: BLE001 - gloo reports a dead peer as one of several errors
+        except Exception as e:  # gloo reports a dead peer as one of several error types
             raise DistributedSaveError(
                 f"planning the save failed: the collective over {self.world_size} ranks did not complete "
                 f"(a rank died, or did not call async_save/prepare): {e}"
