@@ -10,7 +10,10 @@ step) of about ``--gib`` GiB and measures, in one run:
   least a durable save can take on this disk;
 * ``safetensors.torch.save_file`` + ``fsync`` of the flat state, a synchronous reference;
 * ckptd ``Checkpointer.async_save``: blocking time and time until the commit, first save
-  (writer start, arena allocation) separately from warm saves;
+  (writer start, arena allocation) separately from warm saves; then the same with
+  ``ckpt.prepare(state)`` called after the constructor (``ckptd[prepare]``, its time counted in
+  the first save) and with ``async_save(staging="background")`` (``ckptd[background]``), unless
+  ``--skip-variants``;
 * DCP ``async_save`` in process mode with a reused ``DefaultStager``, first and warm saves.
 
 Example::
@@ -345,22 +348,41 @@ def format_timings(timings: dict[str, float]) -> str:
     return " ".join(f"{k}={timings[k]:.3f}" for k in keys)
 
 
-def bench_ckptd(state: State, bench_dir: str, repeats: int) -> SaveRun:
-    """First save (Checkpointer construction included in its total), then ``repeats`` warm saves."""
+def bench_ckptd(
+    state: State,
+    bench_dir: str,
+    repeats: int,
+    label: str = "ckptd",
+    *,
+    staging: str = "blocking",
+    prepare: bool = False,
+) -> SaveRun:
+    """First save (Checkpointer construction included in its total), then ``repeats`` warm saves.
+
+    ``staging`` is passed to every ``async_save``. With ``prepare``, ``ckpt.prepare(state)`` runs
+    right after the constructor and its time is counted in the setup (and so in the first total).
+    """
     import ckptd
 
-    run = new_save_run("ckptd")
-    root = os.path.join(bench_dir, "ckptd")
+    run = new_save_run(label)
+    root = os.path.join(bench_dir, label.replace("[", "-").replace("]", ""))
     started = time.perf_counter()
     ckpt = ckptd.Checkpointer(root, max_shard_size="2GB")
+    if prepare:
+        prepare_started = time.perf_counter()
+        arena = ckpt.prepare(state)
+        run.note = f"prepare(state): {time.perf_counter() - prepare_started:.3f} s, arena {arena / GIB:.3f} GiB"
+        print(f"  {label} {run.note}", flush=True)
     run.setup.add(time.perf_counter() - started)
+    if staging != "blocking":
+        run.note = "; ".join(filter(None, [run.note, f"async_save(staging={staging!r})"]))
     try:
         for step in range(repeats + 1):
             first = step == 0
             if not first:
                 started = time.perf_counter()
             call_started = time.perf_counter()
-            request = ckpt.async_save(step, state)
+            request = ckpt.async_save(step, state, staging=staging)
             blocking = time.perf_counter() - call_started
             result = request.result()
             total = time.perf_counter() - started
@@ -368,7 +390,7 @@ def bench_ckptd(state: State, bench_dir: str, repeats: int) -> SaveRun:
             (run.first_total if first else run.warm_total).add(total)
             kind = "first" if first else "warm "
             print(
-                f"  ckptd save {step} ({kind}): blocking {blocking:.3f} s, total {total:.3f} s, "
+                f"  {label} save {step} ({kind}): blocking {blocking:.3f} s, total {total:.3f} s, "
                 f"{result.bytes_written / GIB:.3f} GiB; timings {format_timings(request.timings)}",
                 flush=True,
             )
@@ -426,22 +448,31 @@ def dcp_upload_future(response: Any) -> Any:
     return getattr(response, "upload_completion", response)
 
 
+def dcp_staging_options() -> Any:
+    """DCP's ``StagingOptions`` used by every benchmark: the fastest set that works on CPU.
+
+    On CPU, pinned memory and non-blocking copies need an accelerator; async staging would only
+    move the copy to a thread (the state must not change until it ends), so stage synchronously
+    into cached shared-memory storages, which go to the checkpoint process without another copy.
+    """
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    return StagingOptions(
+        use_pinned_memory=False, use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=False
+    )
+
+
 def bench_dcp(state: State, bench_dir: str, repeats: int) -> SaveRun:
     """DCP ``async_save`` (process mode, else thread mode) with a reused shared-memory stager."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.staging import DefaultStager
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     created_group = init_single_rank_group()
     mode = AsyncCheckpointerType.PROCESS
     run = new_save_run("DCP")
-    # On CPU, pinned memory and non-blocking copies need an accelerator; async staging would only
-    # move the copy to a thread (the state must not change until it ends), so stage synchronously
-    # into cached shared-memory storages, which go to the checkpoint process without another copy.
-    options = StagingOptions(
-        use_pinned_memory=False, use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=False
-    )
+    options = dcp_staging_options()
     run.note = f"DefaultStager({options}), reused across saves; no_dist=True; 1-rank gloo group"
     stager: Any = None
     try:
@@ -512,8 +543,9 @@ def build_rows(floors: dict[str, Samples], runs: list[SaveRun]) -> list[Row]:
             Row(f"{name} warm blocking", run.warm_blocking, copy_floor, "copy floor"),
             Row(f"{name} warm total", run.warm_total, raw_write, "raw write"),
         ]
-    if len(runs) == 2:
-        ours, theirs = runs
+    ours = next((r for r in runs if r.label == "ckptd"), None)
+    theirs = next((r for r in runs if r.label.startswith("DCP")), None)
+    if ours is not None and theirs is not None:
         for attr in ("first_blocking", "first_total", "warm_blocking", "warm_total"):
             mine: Samples = getattr(ours, attr)
             other: Samples = getattr(theirs, attr)
@@ -575,6 +607,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="parent directory of the fresh benchmark directory (default /work; avoid tmpfs such as /tmp)",
     )
     parser.add_argument("--skip-dcp", action="store_true", help="do not benchmark torch.distributed.checkpoint")
+    parser.add_argument(
+        "--skip-variants",
+        action="store_true",
+        help="only ckptd's default configuration (no ckptd[prepare] and ckptd[background] runs)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write all samples and the table as JSON")
     args = parser.parse_args(argv)
     if args.gib <= 0 or args.repeats < 1:
@@ -617,6 +654,19 @@ def main(argv: list[str] | None = None) -> int:
         for samples in (floors["copy"], floors["raw"]):
             print(f"   {samples.name}: {total / GIB / samples.median:.2f} GiB/s (median)")
         runs: list[SaveRun] = [timed_phase("ckptd async_save", lambda: bench_ckptd(state, bench_dir, args.repeats))]
+        if not args.skip_variants:
+            runs.append(
+                timed_phase(
+                    "ckptd async_save after ckpt.prepare(state)",
+                    lambda: bench_ckptd(state, bench_dir, args.repeats, "ckptd[prepare]", prepare=True),
+                )
+            )
+            runs.append(
+                timed_phase(
+                    'ckptd async_save(staging="background")',
+                    lambda: bench_ckptd(state, bench_dir, args.repeats, "ckptd[background]", staging="background"),
+                )
+            )
         if not args.skip_dcp:
             runs.append(timed_phase("DCP async_save", lambda: bench_dcp(state, bench_dir, args.repeats)))
         rows = build_rows(floors, runs)

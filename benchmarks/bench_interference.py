@@ -1,0 +1,344 @@
+#!/usr/bin/env python
+"""Benchmark how much a checkpoint being written slows a CPU training loop.
+
+The "training loop" is fixed CPU work per step: ``x = tanh(x @ w)`` on 1024x1024 fp32 matrices,
+repeated so that one step takes about ``--step-ms`` milliseconds with torch's default threads
+(all cores). The script builds the transformer-shaped state of ``bench_save.py`` (about ``--gib``
+GiB) and, for each saver, repeats ``--repeats`` times:
+
+1. ``--baseline-steps`` steps with no save running (the baseline of that saver);
+2. start one save of the state and run steps until the save is done.
+
+The savers, each with one untimed warm-up save first (arena allocation, process start):
+
+* ckptd ``async_save`` with default settings (blocking staging, so the bytes are in the staging
+  arena when the call returns and the writer process writes them while the loop runs);
+* ckptd with ``Checkpointer(writer_nice=10)``;
+* DCP ``async_save`` in process mode with a reused shared-memory ``DefaultStager`` (staging is
+  synchronous, as in ``bench_save.py``); steps run while its upload future is not done.
+
+Reported per saver: median step time with no save, median step time while the save is written,
+their ratio (the target is <= 1.2x), and the training time lost per save (the step time spent
+beyond the no-save median by the steps run during the save, per save): a saver that slows steps
+a lot for a short time can lose less than one that slows them a little for long.
+
+Example::
+
+    python benchmarks/bench_interference.py --gib 2 --repeats 3 --json interference.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_save import (  # the sibling script, importable once its directory is on the path
+    GIB,
+    State,
+    build_state,
+    dcp_staging_options,
+    dcp_upload_future,
+    dump_json,
+    free_memory,
+    init_single_rank_group,
+    iter_tensors,
+    machine_info,
+    state_bytes,
+    stop_dcp_process,
+    timed_phase,
+)
+
+MATRIX = 1024
+
+
+class Pending(Protocol):
+    """What a started save returns: a future-like object (ckptd ``SaveRequest``, DCP's Future)."""
+
+    def done(self) -> bool: ...
+
+    def result(self, timeout: float | None = None) -> Any: ...
+
+
+# ---- the training loop ---------------------------------------------------------------------
+
+
+class TrainLoop:
+    """Fixed CPU work per step: ``x = tanh(x @ w)`` ``matmuls`` times on 1024x1024 fp32."""
+
+    def __init__(self, step_seconds: float, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(MATRIX, MATRIX, generator=gen)
+        self.w = torch.randn(MATRIX, MATRIX, generator=gen) / MATRIX**0.5
+        self.matmuls = 1
+        for _ in range(10):  # warm-up (allocator, thread pool, CPU clocks)
+            self.step()
+        one = min(statistics.median(self.step() for _ in range(10)) for _ in range(3))
+        self.matmuls = max(1, round(step_seconds / one))
+
+    def step(self) -> float:
+        """Run one step; returns its wall time in seconds."""
+        started = time.perf_counter()
+        x = self.x
+        for _ in range(self.matmuls):
+            x = torch.tanh(x @ self.w)
+        self.x = x
+        return time.perf_counter() - started
+
+
+# ---- measurement ---------------------------------------------------------------------------
+
+
+@dataclass
+class Interference:
+    """Step times of one saver: without a save, and while a save was being written."""
+
+    label: str
+    baseline: list[float] = field(default_factory=list)
+    during: list[float] = field(default_factory=list)
+    saves: list[dict[str, Any]] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def baseline_median(self) -> float:
+        return statistics.median(self.baseline)
+
+    @property
+    def during_median(self) -> float | None:
+        return statistics.median(self.during) if self.during else None
+
+    @property
+    def ratio(self) -> float | None:
+        during = self.during_median
+        return None if during is None else during / self.baseline_median
+
+    @property
+    def lost_per_save(self) -> float:
+        """Training time lost per save: step time during saves beyond the no-save median, averaged."""
+        return (sum(self.during) - len(self.during) * self.baseline_median) / len(self.saves)
+
+
+def measure_interference(
+    label: str,
+    loop: TrainLoop,
+    start_save: Callable[[int], Pending],
+    finish_save: Callable[[int, Any], None],
+    repeats: int,
+    baseline_steps: int,
+) -> Interference:
+    """``repeats`` rounds of: baseline steps, then one save with steps run until it is done.
+
+    ``start_save(i)`` starts save ``i`` and returns its future; ``finish_save(i, result)`` cleans
+    up after it (untimed).
+    """
+    measured = Interference(label)
+    for i in range(repeats):
+        measured.baseline += [loop.step() for _ in range(baseline_steps)]
+        started = time.perf_counter()
+        pending = start_save(i)
+        blocking = time.perf_counter() - started
+        steps: list[float] = []
+        while not pending.done():
+            steps.append(loop.step())
+        seconds = time.perf_counter() - started
+        result = pending.result()
+        measured.during += steps
+        summary: dict[str, Any] = {
+            "blocking": blocking,
+            "seconds_to_done": seconds,
+            "steps": len(steps),
+            "median_step": statistics.median(steps) if steps else None,
+        }
+        timings = getattr(pending, "timings", None)
+        if timings:
+            summary["timings"] = dict(timings)
+        measured.saves.append(summary)
+        median = f"{summary['median_step'] * 1e3:.1f} ms" if steps else "-"
+        print(
+            f"  {label} save {i}: blocking {blocking:.3f} s, done after {seconds:.3f} s, "
+            f"{len(steps)} steps during it (median {median}); "
+            f"baseline median so far {measured.baseline_median * 1e3:.1f} ms",
+            flush=True,
+        )
+        finish_save(i, result)
+    free_memory()
+    return measured
+
+
+# ---- savers --------------------------------------------------------------------------------
+
+
+def bench_ckptd(
+    label: str,
+    loop: TrainLoop,
+    state: State,
+    bench_dir: str,
+    repeats: int,
+    baseline_steps: int,
+    **options: Any,
+) -> Interference:
+    """ckptd ``async_save`` (default blocking staging); ``options`` go to the Checkpointer."""
+    import ckptd
+
+    root = os.path.join(bench_dir, label.replace("=", "").replace(" ", "-"))
+    with ckptd.Checkpointer(root, **options) as ckpt:
+        warm_up = ckpt.save(0, state)  # first save: arena allocation, writer start
+        shutil.rmtree(warm_up.path)
+
+        def start(i: int) -> Pending:
+            return ckpt.async_save(i + 1, state)
+
+        def finish(i: int, result: Any) -> None:
+            shutil.rmtree(result.path)
+
+        measured = measure_interference(label, loop, start, finish, repeats, baseline_steps)
+    measured.note = f"Checkpointer({', '.join(f'{k}={v!r}' for k, v in options.items()) or 'defaults'})"
+    return measured
+
+
+def bench_dcp(loop: TrainLoop, state: State, bench_dir: str, repeats: int, baseline_steps: int) -> Interference:
+    """DCP ``async_save`` in process mode with a reused shared-memory stager."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    created_group = init_single_rank_group()
+    stager = DefaultStager(dcp_staging_options())
+
+    def start(i: int) -> Pending:
+        response = dcp.async_save(
+            state,
+            checkpoint_id=os.path.join(bench_dir, "dcp", f"step-{i}"),
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            async_stager=stager,
+            no_dist=True,
+        )
+        return dcp_upload_future(response)
+
+    def finish(i: int, result: Any) -> None:
+        shutil.rmtree(os.path.join(bench_dir, "dcp", f"step-{i}"))
+
+    try:
+        start(repeats).result()  # warm-up: spawns the checkpoint process, faults the stager in
+        finish(repeats, None)
+        measured = measure_interference("DCP async_save (process)", loop, start, finish, repeats, baseline_steps)
+    finally:
+        stager.close()
+        stop_dcp_process()
+        if created_group:
+            dist.destroy_process_group()
+    measured.note = "dcp.async_save(async_checkpointer_type=PROCESS, DefaultStager(shared memory)), no_dist=True"
+    return measured
+
+
+# ---- report --------------------------------------------------------------------------------
+
+
+def format_table(results: list[Interference]) -> str:
+    """A Markdown table: step medians without and during a save, their ratio, save stats."""
+    lines = [
+        "| saver | steps no save | median no save ms | steps during save | median during ms | ratio | mean during ms "
+        "| save s (median) | lost per save s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        during = r.during_median
+        save_s = statistics.median(s["seconds_to_done"] for s in r.saves)
+        lines.append(
+            f"| {r.label} | {len(r.baseline)} | {r.baseline_median * 1e3:.1f} | {len(r.during)} | "
+            f"{'-' if during is None else f'{during * 1e3:.1f}'} | "
+            f"{'-' if r.ratio is None else f'{r.ratio:.2f}x'} | "
+            f"{'-' if not r.during else f'{statistics.mean(r.during) * 1e3:.1f}'} | {save_s:.3f} | "
+            f"{r.lost_per_save:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=2.0, help="state size in GiB (default 2.0)")
+    parser.add_argument("--repeats", type=int, default=3, help="saves per saver (default 3)")
+    parser.add_argument("--step-ms", type=float, default=30.0, help="target step time in ms (default 30)")
+    parser.add_argument(
+        "--baseline-steps", type=int, default=30, help="steps with no save before each save (default 30)"
+    )
+    parser.add_argument("--dir", default="/work", help="parent of the fresh benchmark directory (default /work)")
+    parser.add_argument("--skip-dcp", action="store_true", help="do not benchmark torch.distributed.checkpoint")
+    parser.add_argument("--json", metavar="PATH", help="also write all samples as JSON")
+    args = parser.parse_args(argv)
+    if args.gib <= 0 or args.repeats < 1 or args.step_ms <= 0 or args.baseline_steps < 1:
+        parser.error("--gib and --step-ms must be > 0, --repeats and --baseline-steps >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.dir, exist_ok=True)
+    bench_dir = tempfile.mkdtemp(prefix="ckptd-bench-interference-", dir=args.dir)
+    machine = machine_info(bench_dir)
+    command = shlex.join([sys.executable, *sys.argv])
+    print("command:", command)
+    print("machine:", ", ".join(f"{k}={v}" for k, v in machine.items()))
+    try:
+        state = timed_phase("building state", lambda: build_state(args.gib))
+        total = state_bytes(state)
+        count = sum(1 for _ in iter_tensors(state))
+        print(f"state: {total / GIB:.3f} GiB, {count} tensors")
+        loop = TrainLoop(args.step_ms / 1e3)
+        print(f"step: {loop.matmuls} x tanh(x @ w), 1024x1024 fp32, torch threads {torch.get_num_threads()}")
+        common = (loop, state, bench_dir, args.repeats, args.baseline_steps)
+        results = [
+            timed_phase("ckptd, defaults", lambda: bench_ckptd("ckptd", *common)),
+            timed_phase("ckptd, writer_nice=10", lambda: bench_ckptd("ckptd writer_nice=10", *common, writer_nice=10)),
+        ]
+        if not args.skip_dcp:
+            results.append(timed_phase("DCP async_save, process mode", lambda: bench_dcp(*common)))
+        print(f"\n== results: {total / GIB:.3f} GiB state, {args.repeats} saves per saver; {loop.matmuls} matmuls/step")
+        for r in results:
+            print(f"{r.label}: {r.note}")
+        print(format_table(results))
+        if args.json:
+            dump_json(
+                args.json,
+                {
+                    "command": command,
+                    "machine": machine,
+                    "state": {"bytes": total, "tensors": count},
+                    "matmuls_per_step": loop.matmuls,
+                    "torch_threads": torch.get_num_threads(),
+                    "results": [
+                        {
+                            **asdict(r),
+                            "baseline_median": r.baseline_median,
+                            "during_median": r.during_median,
+                            "ratio": r.ratio,
+                            "lost_per_save": r.lost_per_save,
+                        }
+                        for r in results
+                    ],
+                },
+            )
+            print(f"wrote {args.json}")
+    finally:
+        shutil.rmtree(bench_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+#!/usr/bin/env python
+"""Benchmark ckptd's local loads against ``safetensors.safe_open`` + ``copy_`` of the same files.
+
+The script saves the transformer-shaped state of ``bench_save.py`` (about ``--gib`` GiB) once
+with ``Checkpointer(root).save(...)`` (default settings) and allocates target tensors of the same
+dtypes and shapes (``torch.empty_like``, pages faulted in once). Then, on that one checkpoint:
+
+* **full load into preallocated tensors**: ``ckpt.load(step, into={"model": {...},
+  "optimizer": {...}})`` against the baseline, which opens every ``*.safetensors`` file of the
+  checkpoint with ``safetensors.safe_open(path, "pt")`` and does
+  ``targets[component][key].copy_(f.get_tensor(key))`` for every key (the component of a file
+  comes from the checkpoint's ``<component>.safetensors.index.json``);
+
+  - *warm*: page cache hot (one untimed pass of each loader first);
+  - *cold*: before each timed load, every file of the checkpoint is dropped from the page cache
+    with ``os.posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)``; ``read_bytes`` of
+    ``/proc/self/io`` shows how much really came from the disk;
+
+  the two loaders alternate which goes first in each repeat;
+* **partial load**: ``ckpt.load(step, keys=[...])`` of every 10th tensor (10% of the tensors);
+  bytes read are the delta of ``rchar`` in ``/proc/self/io`` around the call, compared with the
+  payload bytes of the requested tensors.
+
+Every loader's result is checked against the saved state once, outside the timed region.
+
+Example::
+
+    python benchmarks/bench_load.py --gib 2 --repeats 3 --json load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_save import (  # the sibling script, importable once its directory is on the path
+    GIB,
+    MIB,
+    Samples,
+    State,
+    build_state,
+    dump_json,
+    iter_tensors,
+    machine_info,
+    state_bytes,
+    timed_phase,
+)
+
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def proc_io() -> dict[str, int]:
+    """``/proc/self/io`` as ``{field: value}`` (``rchar``, ``read_bytes``, ...)."""
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(":") for line in f)}
+
+
+def drop_from_page_cache(paths: list[str]) -> None:
+    """``posix_fadvise(DONTNEED)`` on every file (clean pages leave the page cache)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def checkpoint_files(directory: str) -> list[str]:
+    """Every regular file of a checkpoint directory (recursively)."""
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(directory) for f in files)
+
+
+def safetensors_files_by_component(directory: str) -> dict[str, list[str]]:
+    """``{component: [shard paths]}`` from the checkpoint's ``<component>.safetensors.index.json``."""
+    out: dict[str, list[str]] = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(INDEX_SUFFIX):
+            with open(os.path.join(directory, name)) as f:
+                weight_map = json.load(f)["weight_map"]
+            out[name[: -len(INDEX_SUFFIX)]] = [os.path.join(directory, s) for s in sorted(set(weight_map.values()))]
+    return out
+
+
+def empty_targets(state: State) -> State:
+    """Tensors shaped like ``state``'s, zero-filled so their pages are faulted in."""
+    return {c: {k: torch.zeros_like(t) for k, t in tensors.items()} for c, tensors in state.items()}
+
+
+def zero_targets(targets: State) -> None:
+    """Zero every target (so a following check proves the loader wrote them)."""
+    for _, tensor in iter_tensors(targets):
+        tensor.zero_()
+
+
+def check_equal(expected: State, actual: State, what: str) -> None:
+    """Raise unless every tensor of ``actual`` equals ``expected``'s (same names and dtypes)."""
+    want, got = dict(iter_tensors(expected)), dict(iter_tensors(actual))
+    if want.keys() != got.keys():
+        raise AssertionError(f"{what}: keys differ: {sorted(want.keys() ^ got.keys())[:5]}")
+    for key, tensor in want.items():
+        if got[key].dtype != tensor.dtype or not torch.equal(got[key], tensor):
+            raise AssertionError(f"{what}: {key} differs from the saved tensor")
+    print(f"  {what}: all {len(want)} tensors equal the saved state", flush=True)
+
+
+# ---- loaders -------------------------------------------------------------------------------
+
+
+def load_safetensors(files: dict[str, list[str]], targets: State) -> None:
+    """The baseline: ``safe_open`` every shard and ``copy_`` each tensor into its target."""
+    from safetensors import safe_open
+
+    for component, paths in files.items():
+        component_targets = targets[component]
+        for path in paths:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    component_targets[key].copy_(f.get_tensor(key))
+
+
+def time_load(load: Callable[[], Any], drop: list[str] | None) -> tuple[float, int]:
+    """Seconds of one ``load()`` and the ``read_bytes`` it caused; drops ``drop`` from the cache first."""
+    if drop:
+        drop_from_page_cache(drop)
+    before = proc_io()["read_bytes"]
+    started = time.perf_counter()
+    load()
+    seconds = time.perf_counter() - started
+    return seconds, proc_io()["read_bytes"] - before
+
+
+def bench_full_loads(
+    ckpt: Any, step: int, state: State, files: dict[str, list[str]], all_files: list[str], repeats: int
+) -> dict[str, Any]:
+    """Warm and cold full loads of ckptd and the safetensors baseline, alternating order."""
+    targets = empty_targets(state)
+    loaders: dict[str, Callable[[], Any]] = {
+        "ckptd": lambda: ckpt.load(step, into=targets),
+        "safetensors": lambda: load_safetensors(files, targets),
+    }
+    for name, load in loaders.items():  # untimed: checks the result and warms the page cache
+        zero_targets(targets)
+        load()
+        check_equal(state, targets, f"{name} load into preallocated tensors")
+    samples = {f"{name} {kind}": Samples(f"{name} {kind}") for kind in ("warm", "cold") for name in loaders}
+    disk_reads: dict[str, list[int]] = {name: [] for name in samples}
+    for kind in ("warm", "cold"):
+        for i in range(repeats):
+            order = list(loaders) if i % 2 == 0 else list(reversed(loaders))
+            for name in order:
+                seconds, read_bytes = time_load(loaders[name], all_files if kind == "cold" else None)
+                samples[f"{name} {kind}"].add(seconds)
+                disk_reads[f"{name} {kind}"].append(read_bytes)
+                print(
+                    f"  {name} {kind} {i}: {seconds:.3f} s, {read_bytes / GIB:.3f} GiB read from the disk",
+                    flush=True,
+                )
+    return {"samples": {k: asdict(v) for k, v in samples.items()}, "disk_read_bytes": disk_reads}
+
+
+def bench_partial_loads(ckpt: Any, step: int, state: State, repeats: int) -> dict[str, Any]:
+    """``ckpt.load(step, keys=...)`` of every 10th tensor: seconds and ``rchar`` bytes read."""
+    flat = dict(iter_tensors(state))
+    keys = list(flat)[::10]
+    wanted = sum(flat[k].numel() * flat[k].element_size() for k in keys)
+    seconds = Samples("ckptd keys= load")
+    rchar: list[int] = []
+    for i in range(repeats):
+        before = proc_io()["rchar"]
+        started = time.perf_counter()
+        loaded = ckpt.load(step, keys=keys)
+        seconds.add(time.perf_counter() - started)
+        rchar.append(proc_io()["rchar"] - before)
+        if i == 0:
+            got = {f"{c}.{k}": t for c, tensors in loaded.items() for k, t in tensors.items()}
+            if set(got) != set(keys) or not all(torch.equal(got[k], flat[k]) for k in keys):
+                raise AssertionError("keys= load returned different tensors than requested")
+        print(
+            f"  keys= load {i}: {len(keys)} of {len(flat)} tensors, {wanted / MIB:.1f} MiB wanted, "
+            f"{rchar[-1] / MIB:.1f} MiB read (rchar), {seconds.values[-1]:.3f} s",
+            flush=True,
+        )
+        del loaded
+    return {
+        "tensors": len(keys),
+        "of": len(flat),
+        "wanted_bytes": wanted,
+        "rchar": rchar,
+        "seconds": asdict(seconds),
+    }
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=2.0, help="state size in GiB (default 2.0)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed loads per loader and kind (default 3)")
+    parser.add_argument("--dir", default="/work", help="parent of the fresh benchmark directory (default /work)")
+    parser.add_argument("--json", metavar="PATH", help="also write all samples as JSON")
+    args = parser.parse_args(argv)
+    if args.gib <= 0 or args.repeats < 1:
+        parser.error("--gib must be > 0 and --repeats >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    import ckptd
+
+    args = parse_args(argv)
+    torch.set_num_threads(2)
+    os.makedirs(args.dir, exist_ok=True)
+    bench_dir = tempfile.mkdtemp(prefix="ckptd-bench-load-", dir=args.dir)
+    machine = machine_info(bench_dir)
+    command = shlex.join([sys.executable, *sys.argv])
+    print("command:", command)
+    print("machine:", ", ".join(f"{k}={v}" for k, v in machine.items()))
+    try:
+        state = timed_phase("building state", lambda: build_state(args.gib))
+        total = state_bytes(state)
+        print(f"state: {total / GIB:.3f} GiB, {sum(1 for _ in iter_tensors(state))} tensors")
+        with ckptd.Checkpointer(os.path.join(bench_dir, "ckpt")) as ckpt:
+            result = timed_phase("saving the checkpoint (untimed)", lambda: ckpt.save(0, state))
+            all_files = checkpoint_files(result.path)
+            files = safetensors_files_by_component(result.path)
+            on_disk = sum(os.path.getsize(p) for p in all_files)
+            print(f"  {len(all_files)} files, {on_disk / GIB:.3f} GiB: {[os.path.basename(p) for p in all_files]}")
+            full = timed_phase("full loads", lambda: bench_full_loads(ckpt, 0, state, files, all_files, args.repeats))
+            partial = timed_phase("keys= loads", lambda: bench_partial_loads(ckpt, 0, state, args.repeats))
+        print(f"\n== results: {total / GIB:.3f} GiB state, {args.repeats} loads per loader and kind")
+        print("| what | median s | min s | max s | GiB read from disk (median) | ratio |")
+        print("|---|---|---|---|---|---|")
+        for kind in ("warm", "cold"):
+            for name in ("ckptd", "safetensors"):
+                key = f"{name} {kind}"
+                s = Samples(key, full["samples"][key]["values"])
+                base = Samples("", full["samples"][f"safetensors {kind}"]["values"])
+                reads = sorted(full["disk_read_bytes"][key])[len(full["disk_read_bytes"][key]) // 2]
+                print(
+                    f"| {key} | {s.median:.3f} | {s.low:.3f} | {s.high:.3f} | {reads / GIB:.3f} | "
+                    f"{s.median / base.median:.2f}x |"
+                )
+        rchar = sorted(partial["rchar"])[len(partial["rchar"]) // 2]
+        print(
+            f"| keys= load of {partial['tensors']}/{partial['of']} tensors: {rchar / MIB:.1f} MiB read for "
+            f"{partial['wanted_bytes'] / MIB:.1f} MiB wanted | {Samples('', partial['seconds']['values']).median:.3f} "
+            f"| | | | {rchar / partial['wanted_bytes']:.3f}x |"
+        )
+        if args.json:
+            dump_json(
+                args.json,
+                {
+                    "command": command,
+                    "machine": machine,
+                    "state": {"bytes": total, "files": [os.path.basename(p) for p in all_files], "file_bytes": on_disk},
+                    "full": full,
+                    "partial": partial,
+                },
+            )
+            print(f"wrote {args.json}")
+    finally:
+        shutil.rmtree(bench_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
