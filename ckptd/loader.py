@@ -60,6 +60,7 @@ SAFETENSORS_SINGLE = "model.safetensors"
 TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
 TORCH_BIN_SINGLE = "pytorch_model.bin"
 _READ_THREADS = 4
+_READ_SLICE = 32 * 1024 * 1024
 _HEADER_PREFETCH = 64 * 1024
 _VERIFY_CHUNK = 16 * 1024 * 1024
 
@@ -433,30 +434,41 @@ class CheckpointReader:
                     f"{destination.box.numel} elements asked for"
                 )
 
-        def read_file(file_name: str) -> None:
-            path = self._path(file_name)
-            reader = self._open(file_name)
-            try:
-                wanted = requests[file_name]
+        readers: dict[str, RangeReader] = {}
+        try:
+            for file_name, wanted in sorted(requests.items()):
+                reader = readers[file_name] = self._open(file_name)
                 end = max(offset + len(buffer) for offset, buffer in wanted)
                 if end > reader.size:
                     raise CorruptCheckpointError(
-                        f"{path}: file is truncated: {end} bytes needed, the file has {reader.size}"
+                        f"{self._path(file_name)}: file is truncated: {end} bytes needed, the file has {reader.size}"
                     )
-                try:
-                    reader.read_many(wanted)
-                except StorageError as e:
-                    raise CorruptCheckpointError(f"{path}: cannot read tensors: {e}") from e
-            finally:
-                reader.close()
+            # Local files: positional reads from several threads (preadv drops the GIL), large
+            # tensors cut into slices, so one big shard is read in parallel too.  Remote
+            # readers batch, coalesce and parallelise one file's ranges themselves.
+            tasks: list[tuple[str, list[tuple[int, memoryview]]]] = []
+            for file_name, wanted in sorted(requests.items()):
+                if self.storage.local:
+                    tasks.extend((file_name, [piece]) for piece in _slices(wanted, _READ_SLICE))
+                else:
+                    tasks.append((file_name, wanted))
 
-        files = sorted(requests)
-        if len(files) > 1:
-            with ThreadPoolExecutor(min(_READ_THREADS, len(files)), thread_name_prefix="ckptd-read") as pool:
-                list(pool.map(read_file, files))
-        else:
-            for file_name in files:
-                read_file(file_name)
+            def run(task: tuple[str, list[tuple[int, memoryview]]]) -> None:
+                file_name, wanted = task
+                try:
+                    readers[file_name].read_many(wanted)
+                except StorageError as e:
+                    raise CorruptCheckpointError(f"{self._path(file_name)}: cannot read tensors: {e}") from e
+
+            if len(tasks) > 1:
+                with ThreadPoolExecutor(min(_READ_THREADS, len(tasks)), thread_name_prefix="ckptd-read") as pool:
+                    list(pool.map(run, tasks))
+            else:
+                for task in tasks:
+                    run(task)
+        finally:
+            for reader in readers.values():
+                reader.close()
 
     def _load_bin(self, file_name: str) -> dict[str, torch.Tensor]:
         path = self._path(file_name)
@@ -563,6 +575,16 @@ def _is_single_file(storage: Storage, path: str) -> bool:
     if storage.local:
         return os.path.isfile(path)
     return path.endswith((".safetensors", ".bin")) and storage.exists(path)
+
+
+def _slices(requests: list[tuple[int, memoryview]], size: int) -> list[tuple[int, memoryview]]:
+    """The same byte ranges, with every range longer than ``size`` cut into ``size`` slices."""
+    out = []
+    for offset, buffer in requests:
+        view = buffer.cast("B") if buffer.format != "B" else buffer
+        for start in range(0, len(view), size):
+            out.append((offset + start, view[start : start + size]))
+    return out
 
 
 def _holder(storage: Storage, directory: str, checkpoint: str | None) -> str:
