@@ -137,7 +137,7 @@ class CheckpointerOptions:
         cache_dir: str | None = None,
         remote: bool = False,
         staging: str = "blocking",
-        direct_io: bool = False,
+        direct_io: bool = True,
         drop_cache: bool = True,
         incremental: bool | str = False,
     ) -> CheckpointerOptions:

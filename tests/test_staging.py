@@ -92,7 +92,10 @@ def test_prepare_allocates_the_arena_before_the_first_save(checkpointer):
     assert_same(state["model"], checkpointer.load(1)["model"])
 
 
-@pytest.mark.parametrize("options", [{"direct_io": True}, {"drop_cache": False}, {"writer_ionice": None}])
+@pytest.mark.parametrize(
+    "options",
+    [{"direct_io": False}, {"direct_io": False, "drop_cache": False}, {"writer_ionice": None, "writer_nice": 0}],
+)
 def test_io_options_keep_the_data_intact(root, options):
     state = {"w": torch.randn(3 * 1024 * 1024 + 7), "b": torch.arange(10)}
     with ckptd.Checkpointer(root, chunk_size="1MiB", **options) as ckpt:

@@ -55,7 +55,7 @@ class StorageTuning:
     retry_attempts: int = DEFAULT_RETRY_ATTEMPTS
     retry_base_delay: float = 0.2
     retry_max_delay: float = 5.0
-    direct_io: bool = False
+    direct_io: bool = True
     drop_cache: bool = True
 
     def part_size_for(self, size: int) -> int:
