@@ -29,7 +29,7 @@ __all__ = [
     "storage_error",
 ]
 
-DEFAULT_PART_SIZE = 64 * 1024 * 1024
+DEFAULT_PART_SIZE = 16 * 1024 * 1024
 DEFAULT_PART_CONCURRENCY = 8  # parts in flight across all files of one save
 DEFAULT_RETRY_ATTEMPTS = 6
 MIN_PART_SIZE = 5 * 1024 * 1024
