@@ -102,9 +102,6 @@ class DistContext:
     def is_coordinator(self) -> bool:
         return self.rank == self.coordinator
 
-    def global_rank(self, group_rank: int) -> int:
-        return int(dist.get_global_rank(self.group, group_rank)) if self.group is not dist.group.WORLD else group_rank
-
     def all_gather(self, payload: Any) -> list[Any]:
         """Every rank's ``payload``, in rank order (the one collective of a save)."""
         out: list[Any] = [None] * self.world_size

@@ -153,10 +153,6 @@ class SavePlan:
     tensors: dict[str, dict[str, TensorRecord]] = field(default_factory=dict)
     signature: tuple[object, ...] = ()
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
-
 
 def describe_tensors(component: str, tensors: dict[str, torch.Tensor]) -> list[WriteItem]:
     """Write items for whole tensors, in the state's order."""

@@ -40,7 +40,6 @@ class SaveRequest:
         self.staged = threading.Event()
         self.timings: dict[str, float] = {}
         self._future: Future[SaveResult] = Future()
-        self._observed = False
 
     def done(self) -> bool:
         """True once the save committed or failed."""
@@ -48,7 +47,6 @@ class SaveRequest:
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """Wait for the commit and return its :class:`SaveResult`; raises the save's error."""
-        self._observed = True
         return self._future.result(timeout)
 
     def wait(self, timeout: float | None = None) -> SaveResult:
@@ -57,7 +55,6 @@ class SaveRequest:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error (``None`` on success), waiting up to ``timeout``."""
-        self._observed = True
         return self._future.exception(timeout)
 
     def add_done_callback(self, fn: Callable[[SaveRequest], Any]) -> None:
@@ -65,7 +62,6 @@ class SaveRequest:
         self._future.add_done_callback(lambda _: fn(self))
 
     def __await__(self) -> Generator[Any, None, SaveResult]:
-        self._observed = True
         return asyncio.wrap_future(self._future).__await__()
 
     def __repr__(self) -> str:
@@ -81,8 +77,3 @@ class SaveRequest:
 
     def _set_exception(self, error: BaseException) -> None:
         self._future.set_exception(error)
-
-    def _unobserved_error(self) -> BaseException | None:
-        if self._observed or not self._future.done():
-            return None
-        return self._future.exception()

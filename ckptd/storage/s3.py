@@ -289,8 +289,3 @@ class S3Storage(FsspecStorage):
             if not page.get("IsTruncated"):
                 return uploads
             marker = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
-
-    def list_uploads(self, path: str) -> list[dict[str, Any]]:
-        """Unfinished multipart uploads under ``path`` (for tests and ``ckptd gc``)."""
-        bucket, key = self._split(path)
-        return self._run(self._list_uploads, bucket, key.rstrip("/") + "/" if key else "", self._url(path))
