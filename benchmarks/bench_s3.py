@@ -61,6 +61,7 @@ from bench_save import (  # the sibling script, importable once its directory is
     hidden_size_for,
     iter_tensors,
     machine_info,
+    markdown_table,
     state_bytes,
     timed_phase,
 )
@@ -507,18 +508,7 @@ def format_table(rows: list[Row]) -> str:
                 row.reference_label if row.ratio is not None else "",
             ]
         )
-    widths = [max(len(header[i]), *(len(line[i]) for line in lines)) for i in range(len(header))]
-    left_aligned = {0, 7}
-
-    def fmt(cells: list[str]) -> str:
-        padded = [
-            cell.ljust(width) if i in left_aligned else cell.rjust(width)
-            for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "| " + " | ".join(padded) + " |"
-
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([fmt(header), rule, *(fmt(line) for line in lines)])
+    return markdown_table(header, lines, left_aligned={0, 7})
 
 
 # ---- main ----------------------------------------------------------------------------------

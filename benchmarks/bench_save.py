@@ -571,13 +571,18 @@ def format_table(rows: list[Row]) -> str:
                 "" if row.delta is None else f"{row.delta:+.3f}",
             ]
         )
-    widths = [max(len(header[i]), *(len(line[i]) for line in lines)) for i in range(len(header))]
+    return markdown_table(header, lines, left_aligned={0, 6})
 
-    left_aligned = {0, 6}  # "what" and "vs"; numbers are right-aligned
+
+def markdown_table(header: list[str], lines: list[list[str]], left_aligned: set[int] | None = None) -> str:
+    """A fixed-width Markdown table; columns in ``left_aligned`` (default: all) are left-aligned,
+    the others (numbers) right-aligned.  Shared by the other benchmark scripts."""
+    widths = [max(len(header[i]), *(len(line[i]) for line in lines)) for i in range(len(header))]
+    left = set(range(len(header))) if left_aligned is None else left_aligned
 
     def fmt(cells: list[str]) -> str:
         padded = [
-            cell.ljust(width) if i in left_aligned else cell.rjust(width)
+            cell.ljust(width) if i in left else cell.rjust(width)
             for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
         ]
         return "| " + " | ".join(padded) + " |"

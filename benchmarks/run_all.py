@@ -42,6 +42,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_save import markdown_table  # the sibling script (its heavy imports are torch's only)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 1024**3
 MIB = 1024**2
@@ -379,13 +382,7 @@ def format_table(rows: list[Target]) -> str:
     """The Markdown table: target, ours, baseline, ratio, limit, pass/fail."""
     header = ["target", "ours", "baseline", "ratio", "limit", "pass/fail"]
     cells = [[r.target, r.ours, r.baseline, r.ratio, r.limit, r.verdict] for r in rows]
-    widths = [max(len(header[i]), *(len(c[i]) for c in cells)) for i in range(len(header))]
-
-    def fmt(line: list[str]) -> str:
-        return "| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |"
-
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([fmt(header), rule, *(fmt(c) for c in cells)])
+    return markdown_table(header, cells)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
