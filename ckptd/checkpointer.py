@@ -71,6 +71,8 @@ class Checkpointer:
             saves the kernel's copy into it: less CPU and faster; falls back to buffered writes
             where the filesystem refuses it).
         drop_cache: drop written files from the page cache once they are durable.
+        no_dist: save from this process alone even under torch.distributed (as DCP's
+            ``no_dist``), e.g. a Checkpointer created on rank 0 only.
         incremental: don't rewrite what did not change since this Checkpointer's previous save:
             ``True`` reuses the files of frozen tensors (parameters with ``requires_grad=False``
             and keys declared with ``async_save(frozen=...)``), kept in files of their own;
@@ -106,6 +108,7 @@ class Checkpointer:
         drop_cache: bool = True,
         writer_ionice: int | None = 7,
         incremental: bool | str = False,
+        no_dist: bool = False,
     ) -> None:
         root = os.fspath(root)
         self.options = CheckpointerOptions.resolve(
@@ -140,7 +143,7 @@ class Checkpointer:
             )
         )
         self._cleanup = Cleanup(self.storage)
-        self._dist = DistContext.detect(process_group, coordinator_rank, dist_timeout)
+        self._dist = None if no_dist else DistContext.detect(process_group, coordinator_rank, dist_timeout)
         self._pool = StagingPool(self._writer, self.options.max_in_flight)
         self._saver = Saver(
             root=self.root,

@@ -557,3 +557,16 @@ def test_incremental_saves_across_ranks(tmp_path):
     assert results[0]["reused"] >= 256 * 64 * 4
     manifest = json.loads(open(os.path.join(results[0]["path"], "checkpoint_manifest.json")).read())
     assert any(f.get("checkpoint") == "checkpoint-000001" for f in manifest["files"].values())
+
+
+def save_from_rank_zero_only(rank: int, world: int, root: str) -> int | None:
+    if rank != 0:
+        return None
+    with ckptd.Checkpointer(root, no_dist=True) as ckpt:
+        ckpt.save(1, {"model": {"w": torch.ones(3)}})
+        return ckpt.manifest(1).world_size
+
+
+def test_no_dist_saves_from_one_rank_without_collectives(tmp_path):
+    results = run_ranks(2, save_from_rank_zero_only, str(tmp_path / "ckpts"))
+    assert results[0] == 1 and results[1] is None
