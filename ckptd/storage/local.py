@@ -59,6 +59,12 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[written:]
 
 
+def _buffered(fd: int) -> bool:
+    """Clear ``O_DIRECT`` on an open file; returns False (the new value of "direct")."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+    return False
+
+
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         written = os.pwrite(fd, data, offset)
@@ -172,9 +178,14 @@ class LocalStorage:
                     raise Stopped(path)
                 chunk = view[start : start + chunk_size]
                 if direct and len(chunk) % _DIRECT_ALIGNMENT:
-                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)  # the tail
-                    direct = False
-                _pwrite_all(fd, chunk, offset + start)
+                    direct = _buffered(fd)  # the unaligned tail
+                try:
+                    _pwrite_all(fd, chunk, offset + start)
+                except OSError as e:
+                    if not (direct and e.errno == errno_codes.EINVAL):
+                        raise
+                    direct = _buffered(fd)  # the device wants another alignment: go on buffered
+                    _pwrite_all(fd, chunk, offset + start)
                 on_progress(len(chunk))
             if fsync:
                 os.fsync(fd)
