@@ -45,20 +45,21 @@ def claim_step(storage: Storage, final_dir: str, *, overwrite: bool) -> None:
     Shard objects are written under their final names, so a second writer of the same step
     would overwrite the first one's shards.  The claim object makes the second writer fail with
     :class:`CheckpointExistsError` before it writes a byte.  It stays with the checkpoint; a
-    failed save's clean-up removes it.  With ``overwrite``, the old checkpoint is unpublished
-    (manifest first) and its claim released before claiming again.
+    failed save's clean-up removes it.  With ``overwrite`` the claim is taken unconditionally and
+    only then is the old checkpoint unpublished (manifest first), so a claim that fails leaves the
+    old checkpoint as it was.
     """
     claim = storage.join(final_dir, CLAIM_NAME)
-    if overwrite:
-        storage.remove(storage.join(final_dir, MANIFEST_NAME))
-        storage.remove(claim)
     body = f"{socket.gethostname()} {os.getpid()} {utc_now()}".encode()
     try:
-        storage.write_bytes(claim, body, create_only=True)
+        storage.write_bytes(claim, body, create_only=not overwrite)
     except CheckpointExistsError as e:
         raise CheckpointExistsError(
             f"{final_dir} is being written or was written by another save; pass overwrite=True to replace it"
         ) from e
+    if overwrite:
+        # Claimed: only now unpublish the old checkpoint, before its objects are replaced.
+        storage.remove(storage.join(final_dir, MANIFEST_NAME))
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,11 @@ def publish(storage: Storage, staging_dir: str, final_dir: str, *, overwrite: bo
         parent, base = os.path.split(final_dir)
         replaced = os.path.join(parent, f".{base}.replaced-{secrets.token_hex(4)}")
         os.rename(final_dir, replaced)
-    storage.publish_directory(staging_dir, final_dir)
+    try:
+        storage.publish_directory(staging_dir, final_dir)
+    except BaseException:
+        if replaced is not None and not os.path.exists(final_dir):
+            os.rename(replaced, final_dir)  # the old checkpoint stays the committed one
+        raise
     if replaced is not None:
         storage.remove_tree(replaced)

@@ -84,8 +84,9 @@ class DistContext:
     @classmethod
     def detect(cls, process_group: Any = None, coordinator: int = 0, timeout: float = 600.0) -> DistContext | None:
         """The context of the current process group, or ``None`` outside torch.distributed (or
-        with a single rank).  Call on every rank: with an NCCL default group it creates a gloo
-        group (a collective)."""
+        with a single rank).  With an NCCL group it creates a gloo group over the same ranks,
+        which ``new_group`` requires every rank of the *world* to call: create the Checkpointer
+        on every rank (even with a subgroup)."""
         if not (dist.is_available() and dist.is_initialized()):
             return None
         group = process_group or dist.group.WORLD

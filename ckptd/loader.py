@@ -588,11 +588,17 @@ def _slices(requests: list[tuple[int, memoryview]], size: int) -> list[tuple[int
 
 
 def _holder(storage: Storage, directory: str, checkpoint: str | None) -> str:
-    """The directory holding a file: ``directory``, or its sibling ``checkpoint``."""
+    """The directory holding a file: ``directory``, or its sibling ``checkpoint`` (which must be
+    a real directory inside the same root, not a symlink leading elsewhere)."""
     if checkpoint is None:
         return directory
     parent = os.path.dirname(directory) if storage.local else directory.rstrip("/").rsplit("/", 1)[0]
-    return storage.join(parent, checkpoint)
+    holder = storage.join(parent, checkpoint)
+    if storage.local:
+        real_parent = os.path.realpath(parent)
+        if os.path.islink(holder) or os.path.dirname(os.path.realpath(holder)) != real_parent:
+            raise UnsafeCheckpointError(f"{holder}: a referenced checkpoint must be a directory beside {directory}")
+    return holder
 
 
 def _safe_path(storage: Storage, directory: str, name: str, where: str) -> str:

@@ -11,6 +11,7 @@ for.  Every wait has a deadline, and a rank that does not report is named in the
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fnmatch
 import logging
@@ -36,7 +37,7 @@ from .errors import (
 )
 from .flatten import FlatComponent, flatten_component
 from .formats.safetensors import dtype_name
-from .manager import apply_retention, read_manifest, staging_dir_name
+from .manager import apply_retention, list_checkpoints, read_manifest, staging_dir_name
 from .manifest import MANIFEST_NAME, FileRecord, Manifest
 from .options import CheckpointerOptions
 from .planner import LocalTensor, RankPlan, SavePlan, plan_save
@@ -66,6 +67,14 @@ class _Payload:
     error: tuple[str, str] | None = None  # (exception type name, message)
 
 
+@dataclass
+class _Progress:
+    """What a save has done so far (the job itself is immutable)."""
+
+    owns_destination: bool = False  # we created the staging dir / won the object-store claim
+    released: bool = False  # the arena went back to the pool (exactly once)
+
+
 @dataclass(frozen=True)
 class SaveJob:
     """A staged save waiting for completion."""
@@ -83,6 +92,7 @@ class SaveJob:
     metrics: dict[str, Any]
     overwrite: bool
     started: float
+    progress: _Progress = field(default_factory=_Progress)
 
 
 def _describe(flat: FlatComponent) -> list[LocalTensor]:
@@ -139,6 +149,7 @@ class Saver:
         self._last_path: str | None = None  # the last committed save (incremental saves reuse its files)
         self._last_manifest: Manifest | None = None
         self._patterns: dict[str, str] = {}  # stored component name -> sharing pattern
+        self._references: collections.Counter[str] = collections.Counter()  # checkpoints queued saves reuse files of
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-stage")
         self.guard = StepGuard()
 
@@ -190,8 +201,12 @@ class Saver:
         # thread has not seen the last commit yet would otherwise plan different writes).
         agreed = {p.last_committed for p in payloads}
         candidates = self._reusable(plan) if len(agreed) == 1 and None not in agreed else {}
+        if _base_name(final) in {r.checkpoint for r in candidates.values()}:
+            candidates = {}  # overwriting the very checkpoint that holds the files
         reused = {name: record for name, record in candidates.items() if plan_file_frozen(plan, name)}
         hashed = {} if self.options.incremental != "hash" else {n: r for n, r in candidates.items() if n not in reused}
+        holders = {r.checkpoint for r in [*reused.values(), *hashed.values()] if r.checkpoint}
+        self._references.update(holders)
         arena: StagingArena | None = None
         handle: StageHandle | None = None
         waited = 0.0
@@ -343,7 +358,7 @@ class Saver:
         previous = self._last_manifest
         if previous is None:
             return {}
-        holder = self._last_path.rstrip("/").rsplit("/", 1)[-1].rsplit(os.sep, 1)[-1]
+        holder = _base_name(self._last_path)
         out: dict[str, FileRecord] = {}
         for file in plan.files:
             record = previous.files.get(file.file_name)
@@ -380,9 +395,12 @@ class Saver:
     def complete(self, job: SaveJob) -> SaveResult:
         """Write this rank's pieces and take part in the commit; raises on any rank's failure."""
         timings = dict(job.request.timings)
-        if self.dist is None:
-            return self._complete_alone(job, timings)
-        return self._complete_together(job, timings)
+        try:
+            if self.dist is None:
+                return self._complete_alone(job, timings)
+            return self._complete_together(job, timings)
+        finally:
+            self._forget_references(job)
 
     def _complete_alone(self, job: SaveJob, timings: dict[str, float]) -> SaveResult:
         try:
@@ -392,14 +410,16 @@ class Saver:
             finally:
                 self._release(job)
             manifest = self._commit(job, results, timings)
-        except CheckpointExistsError:
-            if job.staging != job.request.path:
-                self.storage.remove_tree(job.staging)
-            raise  # someone else committed this step: their objects stay
         except BaseException:
-            self.cleanup.discard(job.staging)
+            self._discard(job)
             raise
         return self._finish(job, manifest)
+
+    def _discard(self, job: SaveJob) -> None:
+        """Remove what a failed save wrote, but only if the destination is ours: a save that lost
+        the object-store claim (or never made it) must not delete another save's checkpoint."""
+        if job.progress.owns_destination:
+            self.cleanup.discard(job.staging)
 
     def _complete_together(self, job: SaveJob, timings: dict[str, float]) -> SaveResult:
         dist = self.dist
@@ -451,11 +471,12 @@ class Saver:
                 raise rank_failure(failures, f"save of step {job.request.step}")
             manifest = self._commit(job, gathered, timings)
         except BaseException as e:
-            if not isinstance(e, CheckpointExistsError):
-                self.cleanup.discard(job.staging)
+            self._discard(job)
             ranks = e.ranks if isinstance(e, DistributedSaveError) else [dist.rank]
             dist.post(f"{job.key}/commit", {"error": str(e), "ranks": ranks})
             self._await_acks(job, keys, gone)
+            if isinstance(own_error, CheckpointExistsError):
+                raise own_error from e  # the step exists: say so, in its own type
             raise
         dist.post(f"{job.key}/commit", {"ok": sum(f.size for f in manifest.files.values())})
         self._await_acks(job, keys, gone)
@@ -492,7 +513,10 @@ class Saver:
         dist = self.dist
         if dist is None:
             raise CkptdError("no process group")
-        answer = dist.wait([f"{job.key}/commit"], deadline + 5.0, "commit").get(f"{job.key}/commit")
+        # The coordinator waits up to dist_timeout for the reports and then commits (which may
+        # retry against an object store): allow it a second timeout.  A coordinator that dies is
+        # noticed sooner, when its store stops answering.
+        answer = dist.wait([f"{job.key}/commit"], deadline + dist.timeout, "commit").get(f"{job.key}/commit")
         if answer is not None:
             dist.post(f"{job.key}/ack{dist.rank}", {"ok": True})
         if answer is None:
@@ -510,9 +534,26 @@ class Saver:
         raise error
 
     def _prepare(self, job: SaveJob) -> None:
+        if job.overwrite:
+            self._refuse_overwriting_referenced(job.request.path)
         if not self.storage.local:
             claim_step(self.storage, job.request.path, overwrite=job.overwrite)
+        job.progress.owns_destination = True
         self.storage.makedirs(job.staging)
+
+    def _refuse_overwriting_referenced(self, path: str) -> None:
+        """Overwriting a checkpoint whose files incremental saves reference would break them."""
+        name = _base_name(path)
+        users = [
+            info.path
+            for info in list_checkpoints(self.storage, self.root)
+            if info.path != path and any(f.checkpoint == name for f in info.manifest.files.values())
+        ]
+        if users:
+            raise CheckpointExistsError(
+                f"checkpoint {path} holds files that {', '.join(users[:3])} reference (incremental saves); "
+                "consolidate those first, or save under another step"
+            )
 
     def _write(self, job: SaveJob, timings: dict[str, float]) -> list[FileResult]:
         started = time.perf_counter()
@@ -553,8 +594,9 @@ class Saver:
         return list(written.results)
 
     def _release(self, job: SaveJob) -> None:
-        """Give the arena back (once a background copy into it has finished)."""
-        if job.arena is not None and job.arena.busy:
+        """Give the arena back, once per save (after a background copy into it has finished)."""
+        if job.arena is not None and not job.progress.released:
+            job.progress.released = True
             if job.handle is not None:
                 job.handle.done.wait()
             self.pool.release(job.arena)
@@ -586,11 +628,18 @@ class Saver:
             world_size=job.plan.world_size,
         )
 
+    def _forget_references(self, job: SaveJob) -> None:
+        holders = {r.checkpoint for r in [*job.reused.values(), *job.hashed.values()] if r.checkpoint}
+        self._references.subtract(holders)
+        self._references += collections.Counter()  # drop the zero counts
+
     def _finish(self, job: SaveJob, manifest: Manifest | None, bytes_written: int = 0) -> SaveResult:
         bytes_reused = 0
         if manifest is not None:
             if self.options.keep_last is not None:
-                apply_retention(self.storage, self.root, self.options.keep_last, protect={job.request.path})
+                # Keep what saves still queued will reference once they commit.
+                queued = {self.storage.join(self.root, name) for name in self._references}
+                apply_retention(self.storage, self.root, self.options.keep_last, protect={job.request.path, *queued})
             job.request.timings.update(manifest.timings)
             bytes_written = sum(f.size for f in manifest.files.values() if f.checkpoint is None)
             bytes_reused = sum(f.size for f in manifest.files.values() if f.checkpoint is not None)
@@ -604,6 +653,10 @@ class Saver:
 def _mark_staged(handle: StageHandle, request: SaveRequest) -> None:
     handle.done.wait()
     request.staged.set()
+
+
+def _base_name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1].rsplit(os.sep, 1)[-1]
 
 
 def _crc_int(record: FileRecord | None) -> int | None:

@@ -149,13 +149,17 @@ class WriterClient:
         self._process = process
         self._attached = set()
         self._channel = Channel(parent_sock)
+        self._pending = {}  # this writer's requests: a dead predecessor's reader must not fail them
         self._hello = Future()
         self._stderr_tail.clear()
         threading.Thread(
             target=self._read_stderr, args=(process.stderr,), name="ckptd-writer-stderr", daemon=True
         ).start()
         threading.Thread(
-            target=self._read_responses, args=(self._channel, process), name="ckptd-writer-rx", daemon=True
+            target=self._read_responses,
+            args=(self._channel, process, self._pending),
+            name="ckptd-writer-rx",
+            daemon=True,
         ).start()
         try:
             hello = self._hello.result(timeout=self.start_timeout)
@@ -304,7 +308,9 @@ class WriterClient:
             logger.warning("ckptd writer: %s", line)
         stream.close()
 
-    def _read_responses(self, channel: Channel, process: subprocess.Popen[bytes]) -> None:
+    def _read_responses(
+        self, channel: Channel, process: subprocess.Popen[bytes], pending_requests: dict[int, Future[Message]]
+    ) -> None:
         hello = self._hello
         try:
             while True:
@@ -315,7 +321,7 @@ class WriterClient:
                     if hello is not None and not hello.done():
                         hello.set_result(message)
                     continue
-                future = self._pending.pop(getattr(message, "request_id", -1), None)
+                future = pending_requests.pop(getattr(message, "request_id", -1), None)
                 if future is not None and not future.done():
                     if isinstance(message, Failed):
                         future.set_exception(_failure_error(message))
@@ -335,8 +341,8 @@ class WriterClient:
         with self._lock:
             if self._channel is channel:
                 self._channel = None
-            pending = list(self._pending.items())
-            self._pending.clear()
+            pending = list(pending_requests.items())
+            pending_requests.clear()
         for _, future in pending:
             if not future.done():
                 future.set_exception(error)

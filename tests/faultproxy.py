@@ -34,7 +34,7 @@ class Exchange:
 
 @dataclass
 class _Rule:
-    kind: str  # "503", "reset" or "down"
+    kind: str  # "503", "reset" (before forwarding), "lost-reply" (after forwarding) or "down"
     remaining: int
     match: Matcher
     after: int = 0  # for "down": let this many matching requests through first
@@ -160,7 +160,8 @@ class FaultProxy:
         self.start()
 
     def inject(self, kind: str, count: int, match: Matcher = lambda m, p: True) -> None:
-        """Answer the next ``count`` matching requests with a fault (``"503"`` or ``"reset"``)."""
+        """Answer the next ``count`` matching requests with a fault: ``"503"``, ``"reset"`` (the
+        request never reaches the server) or ``"lost-reply"`` (it does; the answer is lost)."""
         with self._lock:
             self._rules.append(_Rule(kind, count, match))
 
@@ -237,6 +238,10 @@ class FaultProxy:
                     with self._lock:
                         self._sockets.add(upstream)
                 upstream.sendall(head + body)
+                if fault == "lost-reply":
+                    self._drain_response(upstream, outbound, method)
+                    _reset(client)
+                    return
                 status, response_bytes = self._relay_response(upstream, outbound, client, method)
                 with self._lock:
                     self.exchanges.append(Exchange(method, path, status, response_bytes))
@@ -249,6 +254,12 @@ class FaultProxy:
                         self._sockets.discard(sock)
                     with contextlib.suppress(OSError):
                         sock.close()
+
+    def _drain_response(self, upstream: socket.socket, buffer: bytearray, method: str) -> None:
+        head = _read_until(upstream, buffer, b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        if method != "HEAD" and status not in (204, 304):
+            _read_body(upstream, buffer, _headers(head), until_close=True)
 
     def _relay_response(
         self, upstream: socket.socket, buffer: bytearray, client: socket.socket, method: str

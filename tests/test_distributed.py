@@ -570,3 +570,26 @@ def save_from_rank_zero_only(rank: int, world: int, root: str) -> int | None:
 def test_no_dist_saves_from_one_rank_without_collectives(tmp_path):
     results = run_ranks(2, save_from_rank_zero_only, str(tmp_path / "ckpts"))
     assert results[0] == 1 and results[1] is None
+
+
+def resave_step_on_s3(rank: int, world: int, url: str, options: dict) -> dict[str, object]:
+    state = {"model": {"w": torch.arange(8.0)}}
+    with ckptd.Checkpointer(url, storage_options=options, dist_timeout=60) as ckpt:
+        ckpt.save(1, state)
+        try:
+            ckpt.save(1, {"model": {"w": torch.zeros(8)}})
+            outcome = "saved"
+        except (ckptd.errors.CheckpointExistsError, DistributedSaveError) as e:
+            outcome = type(e).__name__
+        loaded = ckpt.load(1, verify=True)["model"]["w"]
+    return {"outcome": outcome, "loaded": loaded}
+
+
+@pytest.mark.objectstore
+def test_resaving_a_step_on_s3_from_two_ranks_keeps_the_committed_one(s3):
+    pytest.importorskip("s3fs")
+    results = run_ranks(2, resave_step_on_s3, s3.url(), s3.options())
+    assert results[0]["outcome"] == "CheckpointExistsError"
+    assert results[1]["outcome"] == "DistributedSaveError"
+    for outcome in results.values():
+        assert_same(torch.arange(8.0), outcome["loaded"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -86,3 +87,60 @@ def test_declared_frozen_keys_and_hash_mode(root):
 def test_incremental_option_is_validated(root):
     with pytest.raises(ckptd.errors.ConfigError, match="incremental"):
         ckptd.Checkpointer(root, incremental="sometimes")
+
+
+def gate_type(name: str) -> type:
+    """A tensor type whose copy waits on its own gate: it holds one background staging open."""
+    gate = threading.Event()
+
+    def torch_function(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_ and any(isinstance(a, cls) for a in args[1:2]):
+            if not gate.wait(30):
+                raise RuntimeError("gate never opened")
+        return super(cls, cls).__torch_function__(func, types, args, kwargs or {})
+
+    return type(name, (torch.Tensor,), {"gate": gate, "__torch_function__": classmethod(torch_function)})
+
+
+def test_retention_keeps_what_a_queued_save_will_reference(root):
+    torch.manual_seed(0)
+    model = LoRAish()
+    first_gate, second_gate = gate_type("First"), gate_type("Second")
+    with ckptd.Checkpointer(root, incremental=True, keep_last=1, max_in_flight=2, staging="background") as ckpt:
+        one = ckpt.async_save(100, {"model": model, "hold": {"x": torch.ones(4).as_subclass(first_gate)}})
+        two = ckpt.async_save(200, {"model": model, "hold": {"x": torch.ones(4).as_subclass(second_gate)}})
+        first_gate.gate.set()
+        one.wait(60)
+        three = ckpt.async_save(300, {"model": model})  # planned after 100 committed: reuses its files
+        second_gate.gate.set()  # 200 (which reuses nothing) commits while 300 is queued: retention runs
+        two.wait(60)
+        assert 100 in ckpt.steps(), "100 holds files the queued save 300 references"
+        assert three.wait(60).bytes_reused > 0
+        assert_same(model.state_dict(), ckpt.load(300, verify=True)["model"])
+
+
+def test_overwriting_an_incremental_step_keeps_it_loadable_and_referenced_steps_are_protected(root):
+    torch.manual_seed(0)
+    model = LoRAish()
+    with ckptd.Checkpointer(root, incremental=True) as ckpt:
+        ckpt.save(100, {"model": model})
+        ckpt.save(100, {"model": model}, overwrite=True)  # must not reference itself
+        assert_same(model.state_dict(), ckpt.load(100, verify=True)["model"])
+        ckpt.save(200, {"model": model})  # references 100's frozen files
+        with pytest.raises(ckptd.errors.CheckpointExistsError, match="reference"):
+            ckpt.save(100, {"model": model}, overwrite=True)
+        assert_same(model.state_dict(), ckpt.load(200, verify=True)["model"])
+
+
+def test_a_referenced_sibling_that_is_a_symlink_is_refused(root, tmp_path):
+    model = LoRAish()
+    with ckptd.Checkpointer(root, incremental=True) as ckpt:
+        ckpt.save(1, {"model": model})
+        second = ckpt.save(2, {"model": model})
+        holder = ckpt.path_for(1)
+        elsewhere = str(tmp_path / "elsewhere")
+        os.rename(holder, elsewhere)
+        os.symlink(elsewhere, holder)
+        with pytest.raises(ckptd.errors.UnsafeCheckpointError, match="beside"):
+            ckpt.load(2)
+    assert second.bytes_reused > 0

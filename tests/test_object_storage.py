@@ -293,3 +293,23 @@ def test_existing_step_on_s3_is_refused_unless_overwrite(s3: S3Place):
         ckpt.save(1, {"model": model_state(n=1, seed=3)}, overwrite=True)
         assert_same(model_state(n=1, seed=3), ckpt.load(1, verify=True)["model"])
         assert s3.uploads() == []
+
+
+def test_a_failed_claim_never_deletes_the_checkpoint_already_there(s3: S3Place, proxy):
+    with ckptd.Checkpointer(s3.url(), storage_options=s3.options(proxy.url), retry_attempts=2) as ckpt:
+        ckpt.save(1, {"model": model_state(n=2)})
+        before = s3.keys("run/checkpoint-000001/")
+        proxy.inject("503", 10, lambda m, p: m == "PUT" and ".ckptd-claim" in p)
+        with pytest.raises(StorageError, match=r"\.ckptd-claim"):
+            ckpt.save(1, {"model": model_state(n=2, seed=7)}, overwrite=True)
+        assert s3.keys("run/checkpoint-000001/") == before
+        assert_same(model_state(n=2), ckpt.load(1, verify=True)["model"])
+
+
+def test_a_create_only_write_whose_answer_was_lost_still_commits(s3: S3Place, proxy):
+    proxy.inject("lost-reply", 1, lambda m, p: m == "PUT" and "checkpoint_manifest.json" in p)
+    with ckptd.Checkpointer(s3.url(), storage_options=s3.options(proxy.url)) as ckpt:
+        result = ckpt.save(1, {"model": model_state(n=1)})
+        assert result.step == 1 and ckpt.steps() == [1]
+        assert_same(model_state(n=1), ckpt.load(1, verify=True)["model"])
+    assert [kind for kind, _, _ in proxy.injected] == ["lost-reply"]

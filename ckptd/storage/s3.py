@@ -218,15 +218,23 @@ class S3Storage(FsspecStorage):
             )
         except StorageError as e:
             cause = e.__cause__
-            if cause is not None and (
-                http_status(cause) == 412 or error_code(cause) in ("PreconditionFailed", "ConditionalRequestConflict")
-            ):
-                raise CheckpointExistsError(f"{self._url(path)} already exists (committed by another writer)") from e
-            if cause is not None and create_only and http_status(cause) == 501:
+            status, code = (http_status(cause), error_code(cause)) if cause is not None else (None, None)
+            if status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                # A retried PUT whose first answer was lost finds its own object: that is success.
+                if self._holds(path, data):
+                    return
+                raise CheckpointExistsError(f"{self._url(path)} already exists (written by another save)") from e
+            if create_only and status == 501:
                 logger.warning("this S3 store has no create-only writes; writing %s unconditionally", self._url(path))
                 self.write_bytes(path, data)
                 return
             raise
+
+    def _holds(self, path: str, data: bytes) -> bool:
+        try:
+            return self.size(path) == len(data) and self.read_bytes(path) == data
+        except OSError:
+            return False
 
     # ---- reading ---------------------------------------------------------------------------
 
