@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ from .loader import (
 )
 from .manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, TensorRecord, utc_now
 from .options import parse_size
-from .planner import WriteItem, bucket_items, describe_tensors, plan_file
+from .planner import FileLayout, WriteItem, bucket_items, describe_tensors, plan_file
 from .restore import create_sharing_metadata, load_into_module, retie_parameters
 from .storage import Storage, check_file_name, is_local, local_path, storage_for
 
@@ -252,8 +252,7 @@ def save_checkpoint(
     elif include_param_sharing:
         sharing = create_sharing_metadata(module) if isinstance(module, torch.nn.Module) else find_tied_groups(state)
     else:
-        sharing = []
-        state = _untie(state)
+        sharing = []  # every key written in full: shards stream each tensor's own bytes
     storage.remove(storage.join(directory, MANIFEST_NAME))  # the old checkpoint stops being one
     index = make_shard_index([state], metadata, safetensors, max_shard_size, sharing)
     written = save_sharded_checkpoint(directory, index, state, safetensors, storage_options=storage_options)
@@ -283,16 +282,6 @@ def save_checkpoint(
     _write_bytes(storage, storage.join(directory, MANIFEST_NAME), manifest.to_json())
 
 
-def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    seen: set[tuple[int, int]] = set()
-    out = {}
-    for key, tensor in state.items():
-        identity = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
-        out[key] = tensor.clone() if identity in seen and tensor.numel() else tensor
-        seen.add(identity)
-    return out
-
-
 def _group(weight_map: Mapping[str, str]) -> dict[str, list[str]]:
     grouped: dict[str, list[str]] = {}
     for key, file_name in weight_map.items():
@@ -313,20 +302,29 @@ def _write_bytes(storage: Storage, path: str, data: bytes) -> FileRecord:
 
 
 def _write_safetensors(storage: Storage, path: str, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
-    """Stream one safetensors file (header, then each tensor's bytes) and return its record."""
-    shard = plan_file("model", path.rsplit("/", 1)[-1], describe_tensors("model", dict(tensors)))
-    checksum = [crc32c(shard.header)]
+    """Write one safetensors file holding ``tensors`` and return its record."""
+    layout = plan_file("model", path.rsplit("/", 1)[-1], describe_tensors("model", dict(tensors)))
+    return write_layout(storage, path, layout, lambda item: tensors[item.key])
+
+
+def write_layout(
+    storage: Storage, path: str, layout: FileLayout, tensor_for: Callable[[WriteItem], torch.Tensor]
+) -> FileRecord:
+    """Stream a planned safetensors file: its header, then each item's bytes, fetched one tensor
+    at a time with ``tensor_for`` (so memory holds one tensor); returns its size and CRC32C."""
+    checksum = [crc32c(layout.header)]
 
     def pieces() -> Iterator[memoryview]:
-        yield memoryview(shard.header)
-        for item in shard.items:
-            tensor = tensors[item.key].detach().to("cpu").contiguous()
+        yield memoryview(layout.header)
+        for item in layout.items:
+            tensor = tensor_for(item).detach().to("cpu").contiguous()
             view = tensor_memoryview(tensor)
             checksum[0] = crc32c(view, checksum[0])
             yield view
+            del tensor, view
 
     storage.write_stream(path, pieces())
-    return FileRecord(shard.size, format_crc(checksum[0]))
+    return FileRecord(layout.size, format_crc(checksum[0]))
 
 
 def save_sharded_model(model_shard: StateDictLike, out_path: str) -> None:

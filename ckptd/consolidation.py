@@ -10,16 +10,15 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from ._version import __version__
-from .checksum import crc32c, format_crc
+from .api import write_layout
 from .commit import ComponentInfo, claim_step, finalize_checkpoint
-from .loader import CheckpointReader, tensor_memoryview
+from .loader import CheckpointReader
 from .manifest import FileRecord, Manifest, TensorRecord
 from .options import DEFAULT_MAX_SHARD_SIZE, parse_size
-from .planner import FileLayout, WriteItem, bucket_items, plan_file, shard_file_name
+from .planner import WriteItem, bucket_items, plan_file, shard_file_name
 from .storage import is_local, local_path, storage_for
 
 __all__ = ["consolidate"]
@@ -69,9 +68,9 @@ def consolidate(
             for number, bucket in enumerate(buckets, start=1):
                 layout = plan_file(name, shard_file_name(name, number, len(buckets)), bucket)
                 path = storage.join(staging, layout.file_name)
-                checksum = [0]
-                storage.write_stream(path, _stream(reader, layout, checksum))
-                written[layout.file_name] = FileRecord(layout.size, format_crc(checksum[0]))
+                written[layout.file_name] = write_layout(
+                    storage, path, layout, lambda item: reader.read(item.component, [item.key])[item.key]
+                )
                 for index, item in enumerate(layout.items):
                     start = layout.item_file_offset(index)
                     tensors.setdefault(name, {})[item.key] = TensorRecord.whole(
@@ -102,14 +101,3 @@ def consolidate(
     except BaseException:
         storage.discard(staging)
         raise
-
-
-def _stream(reader: CheckpointReader, layout: FileLayout, checksum: list[int]) -> Iterator[memoryview]:
-    checksum[0] = crc32c(layout.header)
-    yield memoryview(layout.header)
-    for item in layout.items:
-        tensor = reader.read(layout.component, [item.key])[item.key].contiguous()
-        view = tensor_memoryview(tensor)
-        checksum[0] = crc32c(view, checksum[0])
-        yield view
-        del tensor, view

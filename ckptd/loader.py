@@ -50,6 +50,7 @@ __all__ = [
     "SAFETENSORS_SINGLE",
     "TORCH_BIN_INDEX",
     "TORCH_BIN_SINGLE",
+    "preview",
     "tensor_memoryview",
 ]
 
@@ -300,7 +301,7 @@ class CheckpointReader:
         wanted = list(source.weight_map) if keys is None else [source.aliases.get(k, k) for k in keys]
         missing = [k for k in wanted if k not in source.weight_map]
         if missing:
-            raise KeyMismatchError(f"{self.directory}: component {component!r} has no tensor(s) {_preview(missing)}")
+            raise KeyMismatchError(f"{self.directory}: component {component!r} has no tensor(s) {preview(missing)}")
         if source.records is not None:
             return {k: source.records[k] for k in wanted}
         located: dict[str, TensorRecord] = {}
@@ -384,7 +385,7 @@ class CheckpointReader:
         stored = list(dict.fromkeys(source.aliases.get(k, k) for k in requested))
         missing = [k for k in stored if k not in source.weight_map]
         if missing:
-            raise KeyMismatchError(f"{self.directory}: component {component!r} has no tensor(s) {_preview(missing)}")
+            raise KeyMismatchError(f"{self.directory}: component {component!r} has no tensor(s) {preview(missing)}")
         targets = dict(targets or {})
         stored_targets = {k: targets[k] for k in stored if k in targets}
         for alias, key in source.aliases.items():
@@ -491,7 +492,7 @@ class CheckpointReader:
         absent = wanted - set(out)
         if absent:
             raise CorruptCheckpointError(
-                f"{self.directory}: index lists {_preview(sorted(absent))} but the shards lack them"
+                f"{self.directory}: index lists {preview(sorted(absent))} but the shards lack them"
             )
         return out
 
@@ -612,6 +613,9 @@ def _safe_path(storage: Storage, directory: str, name: str, where: str) -> str:
     return path
 
 
-def _preview(keys: list[str], limit: int = 5) -> str:
+def preview(keys: list[str], limit: int = 5) -> str:
+    """``'a', 'b' and 3 more`` for error messages (``none`` for no keys)."""
+    if not keys:
+        return "none"
     shown = ", ".join(repr(k) for k in keys[:limit])
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

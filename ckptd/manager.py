@@ -70,10 +70,14 @@ def parse_step(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _host() -> str:
+    """This host's name as it appears in staging directory names (no '-', the field separator)."""
+    return socket.gethostname().replace("-", "_") or "host"
+
+
 def staging_dir_name(step: int) -> str:
     """A hidden, unique staging directory name recording this host and process."""
-    host = socket.gethostname().replace("-", "_") or "host"
-    return f".checkpoint-{step:06d}.tmp-{host}-{os.getpid()}-{secrets.token_hex(4)}"
+    return f".checkpoint-{step:06d}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def read_manifest(storage: Storage, path: str) -> Manifest | None:
@@ -147,7 +151,7 @@ def collect_garbage(storage: Storage, root: str, *, older_than: float = _STALE_S
     if not storage.local:
         return _collect_object_store_garbage(storage, root, older_than)
     removed = []
-    host = socket.gethostname().replace("-", "_") or "host"
+    host = _host()
     for name in storage.list_names(root):
         match = _STAGING_RE.match(name)
         if not match:

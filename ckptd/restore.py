@@ -15,7 +15,7 @@ import torch
 from .errors import ConfigError, KeyMismatchError
 from .flatten import find_tied_groups, restore_tree, tensor_leaves, tree_tensor_keys
 from .formats.safetensors import dtype_from_name
-from .loader import CheckpointReader
+from .loader import CheckpointReader, preview
 from .sharding import is_dtensor
 
 __all__ = [
@@ -88,7 +88,7 @@ def load_into_module(
     if strict and (missing or unexpected):
         raise KeyMismatchError(
             f"{reader.directory}: checkpoint does not match the module: "
-            f"missing {_preview(missing)}; unexpected {_preview(unexpected)} (pass strict=False to ignore)"
+            f"missing {preview(missing)}; unexpected {preview(unexpected)} (pass strict=False to ignore)"
         )
     if assign and not any(is_dtensor(t) for t in tensor_state.values()):
         loaded = reader.read(component, wanted, device=device, verify=verify)
@@ -263,10 +263,3 @@ def _update_mapping(target: MutableMapping[Any, Any], value: Any) -> None:
             _update_mapping(old, new)
         else:
             target[key] = new
-
-
-def _preview(keys: list[str], limit: int = 5) -> str:
-    if not keys:
-        return "none"
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
