@@ -53,45 +53,54 @@ __all__ = [
 
 _WHERE = {
     "Checkpointer": "checkpointer",
-    "CheckpointInfo": "manager",
-    "CheckpointMeta": "api",
-    "CheckpointReader": "loader",
+    "CheckpointInfo": "catalog",
+    "CheckpointMeta": "compat.forgather",
+    "CheckpointReader": "load.reader",
     "RNGState": "rng",
     "SaveRequest": "request",
     "SaveResult": "request",
-    "ShardedTensor": "sharding",
-    "Sharing": "dist",
-    "TensorInfo": "api",
-    "consolidate": "consolidation",
-    "load_tensors_metadata": "api",
-    "validate_sharding": "sharding",
-    "get_param_id_to_sharded_param_map": "optim",
-    "optim_state_to_sharding_state": "optim",
-    "create_sharing_metadata": "restore",
-    "find_latest_checkpoint": "manager",
-    "get_checkpoint_metadata": "api",
-    "index_file_name": "api",
-    "is_in_safetensors_format": "api",
-    "load_checkpoint": "api",
-    "load_checkpoint_metrics": "manager",
-    "load_shard_index": "api",
-    "load_sharded_checkpoint": "api",
-    "load_sharded_state_dict": "api",
-    "make_shard_index": "api",
-    "maybe_delete_oldest_checkpoint": "manager",
-    "next_checkpoint_path": "manager",
-    "retie_parameters": "restore",
-    "save_checkpoint": "api",
-    "save_checkpoint_metrics": "manager",
-    "save_shard_index": "api",
-    "save_sharded_checkpoint": "api",
-    "save_sharded_model": "api",
-    "validate_checkpoint": "api",
+    "ShardedTensor": "dist.sharding",
+    "Sharing": "dist.group",
+    "TensorInfo": "compat.forgather",
+    "consolidate": "tools.consolidate",
+    "load_tensors_metadata": "compat.forgather",
+    "validate_sharding": "dist.sharding",
+    "get_param_id_to_sharded_param_map": "dist.optim",
+    "optim_state_to_sharding_state": "dist.optim",
+    "create_sharing_metadata": "load.assign",
+    "find_latest_checkpoint": "catalog",
+    "get_checkpoint_metadata": "compat.forgather",
+    "index_file_name": "compat.forgather",
+    "is_in_safetensors_format": "compat.forgather",
+    "load_checkpoint": "compat.forgather",
+    "load_checkpoint_metrics": "catalog",
+    "load_shard_index": "compat.forgather",
+    "load_sharded_checkpoint": "compat.forgather",
+    "load_sharded_state_dict": "compat.forgather",
+    "make_shard_index": "compat.forgather",
+    "maybe_delete_oldest_checkpoint": "catalog",
+    "next_checkpoint_path": "catalog",
+    "retie_parameters": "load.assign",
+    "save_checkpoint": "compat.forgather",
+    "save_checkpoint_metrics": "catalog",
+    "save_shard_index": "compat.forgather",
+    "save_sharded_checkpoint": "compat.forgather",
+    "save_sharded_model": "compat.forgather",
+    "validate_checkpoint": "compat.forgather",
 }
 
 if TYPE_CHECKING:
     from . import errors
-    from .api import (
+    from .catalog import (
+        CheckpointInfo,
+        find_latest_checkpoint,
+        load_checkpoint_metrics,
+        maybe_delete_oldest_checkpoint,
+        next_checkpoint_path,
+        save_checkpoint_metrics,
+    )
+    from .checkpointer import Checkpointer
+    from .compat.forgather import (
         CheckpointMeta,
         TensorInfo,
         get_checkpoint_metadata,
@@ -109,23 +118,14 @@ if TYPE_CHECKING:
         save_sharded_model,
         validate_checkpoint,
     )
-    from .checkpointer import Checkpointer
-    from .consolidation import consolidate
-    from .dist import Sharing
-    from .loader import CheckpointReader
-    from .manager import (
-        CheckpointInfo,
-        find_latest_checkpoint,
-        load_checkpoint_metrics,
-        maybe_delete_oldest_checkpoint,
-        next_checkpoint_path,
-        save_checkpoint_metrics,
-    )
-    from .optim import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
+    from .dist.group import Sharing
+    from .dist.optim import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
+    from .dist.sharding import ShardedTensor, validate_sharding
+    from .load.assign import create_sharing_metadata, retie_parameters
+    from .load.reader import CheckpointReader
     from .request import SaveRequest, SaveResult
-    from .restore import create_sharing_metadata, retie_parameters
     from .rng import RNGState
-    from .sharding import ShardedTensor, validate_sharding
+    from .tools.consolidate import consolidate
 
 
 def __getattr__(name: str) -> Any:

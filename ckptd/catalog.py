@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .errors import CorruptCheckpointError, StorageError
-from .manifest import MANIFEST_NAME, Manifest
+from .formats.manifest import MANIFEST_NAME, Manifest
 from .storage import Storage, is_local, local_path, storage_for
 
 __all__ = [
@@ -172,7 +172,7 @@ def collect_garbage(storage: Storage, root: str, *, older_than: float = _STALE_S
 
 
 def _collect_object_store_garbage(storage: Storage, root: str, older_than: float) -> list[str]:
-    from .commit import CLAIM_NAME
+    from .save.commit import CLAIM_NAME
 
     removed = []
     for name in storage.list_names(root):

@@ -19,11 +19,7 @@ from typing import Any
 
 import torch
 
-from .cleanup import Cleanup
-from .dist import DistContext, Sharing, normalize_sharing
-from .errors import CheckpointNotFoundError, CkptdError, ConfigError
-from .loader import CheckpointReader
-from .manager import (
+from .catalog import (
     CheckpointInfo,
     checkpoint_dir_name,
     collect_garbage,
@@ -31,14 +27,18 @@ from .manager import (
     list_checkpoints,
     read_manifest,
 )
-from .manifest import Manifest
+from .dist.group import DistContext, Sharing, normalize_sharing
+from .errors import CheckpointNotFoundError, CkptdError, ConfigError
+from .formats.manifest import Manifest
+from .load.assign import read_components, resolve_component, restore_components
+from .load.reader import CheckpointReader
 from .options import CheckpointerOptions
 from .request import SaveRequest, SaveResult
-from .restore import read_components, resolve_component, restore_components
-from .saving import SaveJob, Saver
-from .staging import StagingPool
+from .save.arena import StagingPool
+from .save.saver import SaveJob, Saver
 from .storage import in_process_only, is_local, local_path, storage_for
-from .writer import InProcessWriter, WriterClient
+from .storage.cleanup import Cleanup
+from .writer.client import InProcessWriter, WriterClient
 
 __all__ = ["Checkpointer"]
 

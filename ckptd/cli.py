@@ -93,7 +93,7 @@ def _location(url: str, args: argparse.Namespace) -> tuple[object, str]:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from .manager import list_checkpoints
+    from .catalog import list_checkpoints
 
     storage, root = _location(args.root, args)
     for info in list_checkpoints(storage, root):  # type: ignore[arg-type]
@@ -103,7 +103,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from .loader import CheckpointReader
+    from .load.reader import CheckpointReader
 
     reader = CheckpointReader.open(args.path, args.storage_options)
     print(f"format: {reader.kind}")
@@ -121,7 +121,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .errors import CkptdError
-    from .loader import CheckpointReader
+    from .load.reader import CheckpointReader
 
     try:
         reader = CheckpointReader.open(args.path, args.storage_options, require_manifest=True)
@@ -135,7 +135,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_consolidate(args: argparse.Namespace) -> int:
-    from .consolidation import consolidate
+    from .tools.consolidate import consolidate
 
     manifest = consolidate(
         args.source,
@@ -151,7 +151,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from .manager import collect_garbage
+    from .catalog import collect_garbage
 
     storage, root = _location(args.root, args)
     removed = collect_garbage(storage, root, older_than=args.older_than)  # type: ignore[arg-type]

@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 
-from ._version import __version__
-from .checksum import crc32c, format_crc
-from .errors import ConfigError, CorruptCheckpointError, KeyMismatchError
-from .flatten import find_tied_groups
-from .formats.safetensors import dtype_from_name
-from .formats.torch_bin import save_bin_bytes
-from .loader import (
+from .._version import __version__
+from ..errors import ConfigError, CorruptCheckpointError, KeyMismatchError
+from ..formats.checksum import crc32c, format_crc
+from ..formats.manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, TensorRecord, utc_now
+from ..formats.safetensors import dtype_from_name
+from ..formats.torch_bin import save_bin_bytes
+from ..load.assign import create_sharing_metadata, load_into_module, retie_parameters
+from ..load.reader import (
     SAFETENSORS_INDEX,
     SAFETENSORS_SINGLE,
     TORCH_BIN_INDEX,
@@ -31,11 +32,10 @@ from .loader import (
     CheckpointReader,
     tensor_memoryview,
 )
-from .manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, TensorRecord, utc_now
-from .options import parse_size
-from .planner import FileLayout, WriteItem, bucket_items, describe_tensors, plan_file
-from .restore import create_sharing_metadata, load_into_module, retie_parameters
-from .storage import Storage, check_file_name, is_local, local_path, storage_for
+from ..options import parse_size
+from ..save.flatten import find_tied_groups
+from ..save.plan import FileLayout, WriteItem, bucket_items, describe_tensors, plan_file
+from ..storage import Storage, check_file_name, is_local, local_path, storage_for
 
 __all__ = [
     "CheckpointMeta",

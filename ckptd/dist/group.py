@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .errors import ConfigError, DistributedSaveError
+from ..errors import ConfigError, DistributedSaveError
 
 __all__ = ["DistContext", "Sharing", "normalize_sharing"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .errors import ShardingError
+from ..errors import ShardingError
 
 __all__ = [
     "Box",

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from .errors import CorruptCheckpointError
-from .formats.safetensors import DTYPE_ITEMSIZE
-from .storage import check_file_name
+from ..errors import CorruptCheckpointError
+from ..storage import check_file_name
+from .safetensors import DTYPE_ITEMSIZE
 
 __all__ = [
     "FORMAT_NAME",

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError, KeyMismatchError
-from .flatten import find_tied_groups, restore_tree, tensor_leaves, tree_tensor_keys
-from .formats.safetensors import dtype_from_name
-from .loader import CheckpointReader, preview
-from .sharding import is_dtensor
+from ..dist.sharding import is_dtensor
+from ..errors import ConfigError, KeyMismatchError
+from ..formats.safetensors import dtype_from_name
+from ..save.flatten import find_tied_groups, restore_tree, tensor_leaves, tree_tensor_keys
+from .reader import CheckpointReader, preview
 
 __all__ = [
     "create_sharing_metadata",

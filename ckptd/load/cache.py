@@ -12,10 +12,10 @@ import hashlib
 import os
 import secrets
 
-from .checksum import crc32c, format_crc
-from .errors import CorruptCheckpointError
-from .manifest import FileRecord
-from .storage import LocalStorage, RangeReader, Storage, read_chunks
+from ..errors import CorruptCheckpointError
+from ..formats.checksum import crc32c, format_crc
+from ..formats.manifest import FileRecord
+from ..storage import LocalStorage, RangeReader, Storage, read_chunks
 
 __all__ = ["FileCache"]
 

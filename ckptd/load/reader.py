@@ -20,20 +20,19 @@ from typing import Any
 
 import torch
 
-from .cache import FileCache
-from .checksum import crc32c, format_crc
-from .errors import (
+from ..dist.sharding import Box, ShardedTensor, describe_dtensor, intersect, is_dtensor, paired_runs
+from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     KeyMismatchError,
     StorageError,
     UnsafeCheckpointError,
 )
-from .formats.safetensors import DTYPE_ITEMSIZE, SafetensorsHeader, dtype_from_name, dtype_name, parse_header
-from .formats.torch_bin import load_bin, load_bin_bytes
-from .manifest import MANIFEST_NAME, Manifest, TensorRecord, parse_state_file
-from .sharding import Box, ShardedTensor, describe_dtensor, intersect, is_dtensor, paired_runs
-from .storage import (
+from ..formats.checksum import crc32c, format_crc
+from ..formats.manifest import MANIFEST_NAME, Manifest, TensorRecord, parse_state_file
+from ..formats.safetensors import DTYPE_ITEMSIZE, SafetensorsHeader, dtype_from_name, dtype_name, parse_header
+from ..formats.torch_bin import load_bin, load_bin_bytes
+from ..storage import (
     RangeReader,
     Storage,
     StorageTuning,
@@ -43,6 +42,7 @@ from .storage import (
     read_chunks,
     storage_for,
 )
+from .cache import FileCache
 
 __all__ = [
     "CheckpointReader",

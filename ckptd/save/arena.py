@@ -1,7 +1,7 @@
 """The staging arenas: where ``async_save`` snapshots tensors before the writer persists them.
 
-An arena is one shared-memory segment (see :mod:`ckptd.shm`) laid out by a rank's
-:class:`~ckptd.planner.RankPlan`: every piece of a file the rank writes (a whole shard file,
+An arena is one shared-memory segment (see :mod:`ckptd.writer.shm`) laid out by a rank's
+:class:`~ckptd.save.plan.RankPlan`: every piece of a file the rank writes (a whole shard file,
 header included, on a single rank) is one contiguous slice in file order, so the writer streams
 it with no further copy.  Arenas are created once and
 reused while the state's layout fits; when CUDA is available they are page-locked with
@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from .formats.safetensors import dtype_from_name
-from .planner import RankPlan
-from .shm import SharedSegment
-from .writer import InProcessWriter, WriterClient
+from ..formats.safetensors import dtype_from_name
+from ..writer.client import InProcessWriter, WriterClient
+from ..writer.shm import SharedSegment
+from .plan import RankPlan
 
 __all__ = ["StageHandle", "StagingArena", "StagingPool", "StepGuard"]
 

@@ -16,10 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._version import __version__
-from .checksum import crc32c, format_crc
-from .errors import CheckpointExistsError, WriterError
-from .manifest import (
+from .._version import __version__
+from ..errors import CheckpointExistsError, WriterError
+from ..formats.checksum import crc32c, format_crc
+from ..formats.manifest import (
     MANIFEST_NAME,
     STATE_NAME,
     ComponentRecord,
@@ -31,7 +31,7 @@ from .manifest import (
     state_file_bytes,
     utc_now,
 )
-from .storage import Storage
+from ..storage import Storage
 
 __all__ = ["CLAIM_NAME", "ComponentInfo", "claim_step", "finalize_checkpoint", "publish", "write_small_file"]
 

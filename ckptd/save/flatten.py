@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError, UnsafeCheckpointError, UnsupportedValueError
-from .sharding import ShardedTensor, describe_dtensor, is_dtensor, is_main_replica
+from ..dist.sharding import ShardedTensor, describe_dtensor, is_dtensor, is_main_replica
+from ..errors import ConfigError, UnsafeCheckpointError, UnsupportedValueError
 
 __all__ = [
     "COMPONENT_NAME_RE",

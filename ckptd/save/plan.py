@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ShardingError
-from .formats.safetensors import DTYPE_ITEMSIZE, TensorEntry, build_header, dtype_name
-from .manifest import ChunkRecord, TensorRecord
-from .sharding import Box, ChunkInfo, validate_sharding
+from ..dist.sharding import Box, ChunkInfo, validate_sharding
+from ..errors import ShardingError
+from ..formats.manifest import ChunkRecord, TensorRecord
+from ..formats.safetensors import DTYPE_ITEMSIZE, TensorEntry, build_header, dtype_name
 
 __all__ = [
     "ARENA_ALIGNMENT",

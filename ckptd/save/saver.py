@@ -23,11 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checksum import crc32c_combine, format_crc
-from .cleanup import Cleanup
-from .commit import ComponentInfo, claim_step, finalize_checkpoint
-from .dist import DistContext, Sharing, normalize_sharing, rank_failure
-from .errors import (
+from ..catalog import apply_retention, list_checkpoints, read_manifest, staging_dir_name
+from ..dist.group import DistContext, Sharing, normalize_sharing, rank_failure
+from ..errors import (
     CheckpointExistsError,
     CkptdError,
     ConfigError,
@@ -35,17 +33,19 @@ from .errors import (
     DistributedSaveError,
     WriterError,
 )
+from ..formats.checksum import crc32c_combine, format_crc
+from ..formats.manifest import MANIFEST_NAME, FileRecord, Manifest
+from ..formats.safetensors import dtype_name
+from ..options import CheckpointerOptions
+from ..request import SaveRequest, SaveResult
+from ..storage import Storage
+from ..storage.cleanup import Cleanup
+from ..writer.client import InProcessWriter, WriterClient
+from ..writer.protocol import FileResult, FileSpec, FilesWritten
+from .arena import StageHandle, StagingArena, StagingPool, StepGuard
+from .commit import ComponentInfo, claim_step, finalize_checkpoint
 from .flatten import FlatComponent, flatten_component
-from .formats.safetensors import dtype_name
-from .manager import apply_retention, list_checkpoints, read_manifest, staging_dir_name
-from .manifest import MANIFEST_NAME, FileRecord, Manifest
-from .options import CheckpointerOptions
-from .planner import LocalTensor, RankPlan, SavePlan, plan_save
-from .protocol import FileResult, FileSpec, FilesWritten
-from .request import SaveRequest, SaveResult
-from .staging import StageHandle, StagingArena, StagingPool, StepGuard
-from .storage import Storage
-from .writer import InProcessWriter, WriterClient
+from .plan import LocalTensor, RankPlan, SavePlan, plan_save
 
 __all__ = ["SaveJob", "Saver", "combine_pieces"]
 

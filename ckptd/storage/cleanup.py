@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 
-from .storage import Storage
+from .base import Storage
 
 __all__ = ["Cleanup"]
 

@@ -12,14 +12,14 @@ import secrets
 import time
 from typing import Any
 
-from ._version import __version__
-from .api import write_layout
-from .commit import ComponentInfo, claim_step, finalize_checkpoint
-from .loader import CheckpointReader
-from .manifest import FileRecord, Manifest, TensorRecord
-from .options import DEFAULT_MAX_SHARD_SIZE, parse_size
-from .planner import WriteItem, bucket_items, plan_file, shard_file_name
-from .storage import is_local, local_path, storage_for
+from .._version import __version__
+from ..compat.forgather import write_layout
+from ..formats.manifest import FileRecord, Manifest, TensorRecord
+from ..load.reader import CheckpointReader
+from ..options import DEFAULT_MAX_SHARD_SIZE, parse_size
+from ..save.commit import ComponentInfo, claim_step, finalize_checkpoint
+from ..save.plan import WriteItem, bucket_items, plan_file, shard_file_name
+from ..storage import is_local, local_path, storage_for
 
 __all__ = ["consolidate"]
 

@@ -1,6 +1,6 @@
 """The parent-side client of the writer process: start, handshake, requests, health, restart.
 
-The writer runs as its own small program (``python -m ckptd.writer_process``), not through
+The writer runs as its own small program (``python -m ckptd.writer.process``), not through
 ``multiprocessing``: it never imports the trainer's ``__main__`` and needs no torch.  Control
 messages travel over a Unix socket pair; staging arenas are passed as file descriptors.  A reader
 thread routes responses to per-request futures; if the writer dies, every pending request fails
@@ -21,8 +21,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO
 
+from ..errors import StorageError, WriterError
 from . import protocol
-from .errors import StorageError, WriterError
 from .protocol import (
     AttachArena,
     Channel,
@@ -37,7 +37,7 @@ from .protocol import (
     WriteFiles,
 )
 from .shm import SharedSegment
-from .streaming import write_files
+from .stream import write_files
 
 __all__ = ["InProcessWriter", "WriterClient", "describe_exit"]
 
@@ -121,7 +121,7 @@ class WriterClient:
         command = [
             sys.executable,
             "-m",
-            "ckptd.writer_process",
+            "ckptd.writer.process",
             "--fd",
             str(child_sock.fileno()),
             "--parent-pid",
@@ -276,8 +276,8 @@ class WriterClient:
                     pass
 
     def write_files(self, **fields: object) -> Future[Message]:
-        """Submit a :class:`~ckptd.protocol.WriteFiles` request; the future resolves to
-        :class:`~ckptd.protocol.FilesWritten` or fails with WriterError / StorageError."""
+        """Submit a :class:`~ckptd.writer.protocol.WriteFiles` request; the future resolves to
+        :class:`~ckptd.writer.protocol.FilesWritten` or fails with WriterError / StorageError."""
         self.ensure_running()
         with self._lock:
             return self._request(WriteFiles(request_id=self._next_id(), **fields))  # type: ignore[arg-type]

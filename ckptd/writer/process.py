@@ -1,11 +1,11 @@
-"""The writer process: ``python -m ckptd.writer_process --fd N --parent-pid P``.
+"""The writer process: ``python -m ckptd.writer.process --fd N --parent-pid P``.
 
 It maps the staging arenas it is handed and streams shard files from them to storage,
 checksumming as it goes.  It imports no torch and never touches the trainer's ``__main__``, so it
 starts in a fraction of a second and is safe after CUDA initialisation.
 
 Threads: the main thread answers the control socket at once (pings, arena attach/detach) and
-watches the parent; one worker thread executes :class:`~ckptd.protocol.WriteFiles` requests in
+watches the parent; one worker thread executes :class:`~ckptd.writer.protocol.WriteFiles` requests in
 order.  When the parent dies (socket EOF or re-parenting) the writer abandons the save in flight,
 deletes that save's staging directory, unmaps every arena and exits.
 """
@@ -24,8 +24,9 @@ import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
-from ._version import __version__
-from .errors import StorageError
+from .._version import __version__
+from ..errors import StorageError
+from ..storage import Stopped, storage_for
 from .protocol import (
     PROTOCOL_VERSION,
     AttachArena,
@@ -42,8 +43,7 @@ from .protocol import (
     WriteFiles,
 )
 from .shm import SharedSegment
-from .storage import Stopped, storage_for
-from .streaming import write_files
+from .stream import write_files
 
 __all__ = ["main"]
 

@@ -15,7 +15,7 @@ import mmap
 import os
 import secrets
 
-from .errors import StorageError
+from ..errors import StorageError
 
 __all__ = ["SharedSegment"]
 

@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
-from .checksum import crc32c_of_view
+from ..formats.checksum import crc32c_of_view
+from ..storage import Storage, StorageTuning, storage_for
 from .protocol import FileResult, FileSpec, FilesWritten, WriteFiles
-from .storage import Storage, StorageTuning, storage_for
 
 __all__ = ["write_files"]
 

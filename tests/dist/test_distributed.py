@@ -177,7 +177,7 @@ def train_once(model, optimizer) -> None:
 
 def full_state(value):
     """Whole tensors of a (possibly DTensor) state, for comparisons."""
-    if ckptd.sharding.is_dtensor(value):
+    if ckptd.dist.sharding.is_dtensor(value):
         return value.full_tensor()
     if isinstance(value, torch.Tensor):
         return value.clone()

@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-from ckptd.checksum import crc32c, crc32c_combine
-from ckptd.dist import Sharing, normalize_sharing
+from ckptd.formats.checksum import crc32c, crc32c_combine
+from ckptd.dist.group import Sharing, normalize_sharing
 from ckptd.errors import ConfigError, ShardingError
-from ckptd.sharding import Box, ChunkInfo, ShardedTensor, intersect, paired_runs, validate_sharding
+from ckptd.dist.sharding import Box, ChunkInfo, ShardedTensor, intersect, paired_runs, validate_sharding
 
 
 def test_from_rank_offsets_matches_megatron_semantics():

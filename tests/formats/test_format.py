@@ -13,7 +13,7 @@ from conftest import assert_same
 import ckptd
 from ckptd.errors import CorruptCheckpointError
 from ckptd.formats.safetensors import TensorEntry, build_header, parse_header
-from ckptd.planner import LocalTensor, WriteItem, bucket_items, plan_save
+from ckptd.save.plan import LocalTensor, WriteItem, bucket_items, plan_save
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402

@@ -12,7 +12,7 @@ import torch
 from conftest import assert_same
 
 from ckptd.errors import ConfigError, UnsafeCheckpointError, UnsupportedValueError
-from ckptd.flatten import flatten_component, restore_tree, tree_tensor_keys
+from ckptd.save.flatten import flatten_component, restore_tree, tree_tensor_keys
 
 
 def round_trip(value, **kwargs):

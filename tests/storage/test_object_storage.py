@@ -273,7 +273,7 @@ def test_cli_lists_verifies_and_collects_garbage_on_s3(s3: S3Place, capsys):
     s3.client.put_object(Bucket=s3.bucket, Key=old + "model-00001-of-00001.safetensors", Body=b"partial")
     s3.client.create_multipart_upload(Bucket=s3.bucket, Key=old + "optimizer-00001-of-00001.safetensors")
     s3.client.put_object(
-        Bucket=s3.bucket, Key=fresh + ".ckptd-claim", Body=f"host 1 {ckptd.manifest.utc_now()}".encode()
+        Bucket=s3.bucket, Key=fresh + ".ckptd-claim", Body=f"host 1 {ckptd.formats.manifest.utc_now()}".encode()
     )
     assert main(["--storage-options", options, "ls", s3.url()]) == 0
     assert "checkpoint-000004" in capsys.readouterr().out

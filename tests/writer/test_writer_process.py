@@ -51,7 +51,7 @@ def test_writer_starts_without_torch_and_answers_pings_while_busy(checkpointer):
     assert health["writer_pid"] != os.getpid() and health["busy"] is False
     assert checkpointer._writer.info.torch_loaded is False
     with open(f"/proc/{health['writer_pid']}/cmdline", "rb") as f:
-        assert b"ckptd.writer_process" in f.read()
+        assert b"ckptd.writer.process" in f.read()
 
 
 def test_writer_killed_mid_write_fails_the_save_and_the_next_save_works(root):
