@@ -19,7 +19,7 @@ from typing import Any
 
 from .errors import CorruptCheckpointError, StorageError
 from .formats.manifest import MANIFEST_NAME, Manifest
-from .storage import Storage, is_local, local_path, storage_for
+from .storage import Storage, base_name, is_local, normalize_location, storage_for
 
 __all__ = [
     "METRICS_NAME",
@@ -133,7 +133,7 @@ def apply_retention(storage: Storage, root: str, keep_last: int, protect: set[st
     referenced = {f.checkpoint for info in kept for f in info.manifest.files.values() if f.checkpoint}
     removed = []
     for info in checkpoints[:cut]:
-        name = info.path.rstrip("/").rsplit("/", 1)[-1].rsplit(os.sep, 1)[-1]
+        name = base_name(info.path)
         if info.path in protect or name in referenced:
             continue
         remove_checkpoint(storage, info.path)
@@ -209,7 +209,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _checkpoints_root(model_dir: str) -> tuple[Storage, str]:
-    root = local_path(model_dir) if is_local(model_dir) else model_dir.rstrip("/")
+    root = normalize_location(model_dir)
     storage = storage_for(root)
     sub = storage.join(root, "checkpoints")
     return storage, (sub if "checkpoints" in storage.list_names(root) else root)
@@ -239,20 +239,20 @@ def maybe_delete_oldest_checkpoint(
     """Delete the oldest checkpoints beyond ``max_checkpoints``, keeping the best and preserved ones."""
     storage, root = _checkpoints_root(model_dir)
     keep = [p for p in [best_checkpoint, *(preserved_checkpoints or [])] if p]
-    protect = {local_path(p) if storage.local else p.rstrip("/") for p in keep}
+    protect = {normalize_location(p) for p in keep}
     apply_retention(storage, root, max_checkpoints, protect)
 
 
 def save_checkpoint_metrics(checkpoint_path: str, metrics: dict[str, float]) -> None:
     """Write ``metrics.json`` beside a checkpoint (atomically on local disk)."""
-    path = local_path(checkpoint_path) if is_local(checkpoint_path) else checkpoint_path.rstrip("/")
+    path = normalize_location(checkpoint_path)
     storage = storage_for(path)
     storage.write_stream(storage.join(path, METRICS_NAME), [memoryview(json.dumps(metrics).encode())])
 
 
 def load_checkpoint_metrics(checkpoint_path: str) -> dict[str, Any] | None:
     """Metrics saved with :func:`save_checkpoint_metrics`, else those recorded in the manifest."""
-    path = local_path(checkpoint_path) if is_local(checkpoint_path) else checkpoint_path.rstrip("/")
+    path = normalize_location(checkpoint_path)
     storage = storage_for(path)
     try:
         return dict(json.loads(storage.read_bytes(storage.join(path, METRICS_NAME))))

@@ -36,7 +36,7 @@ from .options import CheckpointerOptions
 from .request import SaveRequest, SaveResult
 from .save.arena import StagingPool
 from .save.saver import SaveJob, Saver
-from .storage import in_process_only, is_local, local_path, storage_for
+from .storage import in_process_only, is_local, local_path, normalize_location, storage_for
 from .storage.cleanup import Cleanup
 from .writer.client import InProcessWriter, WriterClient
 
@@ -130,7 +130,7 @@ class Checkpointer:
             drop_cache=drop_cache,
             incremental=incremental,
         )
-        self.root = local_path(root) if is_local(root) else root.rstrip("/")
+        self.root = normalize_location(root)
         self.storage = storage_for(self.root, self.options.storage_options, self.options.tuning)
         self.storage.check_access(self.root)
         if self.storage.local:

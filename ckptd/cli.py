@@ -86,9 +86,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _location(url: str, args: argparse.Namespace) -> tuple[object, str]:
-    from .storage import is_local, local_path, storage_for
+    from .storage import normalize_location, storage_for
 
-    root = local_path(url) if is_local(url) else url.rstrip("/")
+    root = normalize_location(url)
     return storage_for(root, args.storage_options), root
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DistributedSaveError",
     "KeyMismatchError",
+    "ReferencedCheckpointError",
     "ShardingError",
     "StorageError",
     "UnsafeCheckpointError",
@@ -41,6 +42,10 @@ class CheckpointNotFoundError(CkptdError, FileNotFoundError):
 
 class CheckpointExistsError(CkptdError, FileExistsError):
     """A committed checkpoint already exists at the destination and overwriting was not asked."""
+
+
+class ReferencedCheckpointError(CkptdError, PermissionError):
+    """A checkpoint cannot be overwritten or deleted: incremental saves reference its files."""
 
 
 class CorruptCheckpointError(CkptdError, ValueError):

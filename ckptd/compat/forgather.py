@@ -35,7 +35,7 @@ from ..load.reader import (
 from ..options import parse_size
 from ..save.flatten import find_tied_groups
 from ..save.plan import FileLayout, WriteItem, bucket_items, describe_tensors, plan_file
-from ..storage import Storage, check_file_name, is_local, local_path, storage_for
+from ..storage import Storage, check_file_name, local_path, normalize_location, storage_for
 
 __all__ = [
     "CheckpointMeta",
@@ -105,7 +105,7 @@ def _location(path: str | os.PathLike[str], storage_options: dict[str, Any] | No
     """The storage backend and normalised directory (or object prefix) for a path or URL."""
     text = os.fspath(path)
     storage = storage_for(text, storage_options)
-    return storage, (local_path(text) if is_local(text) else text.rstrip("/"))
+    return storage, normalize_location(text)
 
 
 def index_file_name(safetensors: bool) -> str:

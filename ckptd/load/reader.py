@@ -37,8 +37,7 @@ from ..storage import (
     Storage,
     StorageTuning,
     check_file_name,
-    is_local,
-    local_path,
+    normalize_location,
     read_chunks,
     storage_for,
 )
@@ -128,7 +127,7 @@ class CheckpointReader:
         """
         path = os.fspath(path)
         storage = storage_for(path, storage_options, tuning)
-        directory = local_path(path) if is_local(path) else path.rstrip("/")
+        directory = normalize_location(path)
         cache = FileCache(os.fspath(cache_dir), directory) if cache_dir is not None and not storage.local else None
         if not require_manifest and _is_single_file(storage, directory):
             parent, _, name = directory.rpartition("/" if not storage.local else os.sep)
@@ -198,7 +197,7 @@ class CheckpointReader:
         """A reader over a directory (or URL) driven by an already loaded HF index."""
         weight_map, aliases = _parse_index(index, directory)
         storage = storage_for(directory, storage_options)
-        directory = local_path(directory) if storage.local else directory.rstrip("/")
+        directory = normalize_location(directory)
         label = "hf_sharded" if kind == "safetensors" else "torch_bin_sharded"
         return cls(directory, storage, label, {"model": _Source(kind, weight_map, None, aliases)}, None)
 

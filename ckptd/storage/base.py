@@ -76,6 +76,17 @@ def local_path(url: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+def normalize_location(url: str) -> str:
+    """One spelling per location: an absolute path for local paths and ``file://`` URLs, the URL
+    without a trailing slash otherwise."""
+    return normalize_location(url)
+
+
+def base_name(path: str) -> str:
+    """The last component of a path or URL (``checkpoint-5`` of ``s3://b/run/checkpoint-5/``)."""
+    return path.rstrip("/").rsplit("/", 1)[-1].rsplit(os.sep, 1)[-1]
+
+
 def check_file_name(name: str, where: str) -> str:
     """Refuse names that could leave the checkpoint directory (``..``, separators, absolute)."""
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:

@@ -19,7 +19,7 @@ from ..load.reader import CheckpointReader
 from ..options import DEFAULT_MAX_SHARD_SIZE, parse_size
 from ..save.commit import ComponentInfo, claim_step, finalize_checkpoint
 from ..save.plan import WriteItem, bucket_items, plan_file, shard_file_name
-from ..storage import is_local, local_path, storage_for
+from ..storage import normalize_location, storage_for
 
 __all__ = ["consolidate"]
 
@@ -48,7 +48,7 @@ def consolidate(
     limit = parse_size(max_shard_size, "max_shard_size")
     target = os.fspath(destination)
     storage = storage_for(target, destination_storage_options)
-    final = local_path(target) if is_local(target) else target.rstrip("/")
+    final = normalize_location(target)
     started = time.perf_counter()
     if storage.local:
         parent, base = os.path.split(final)
