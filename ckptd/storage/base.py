@@ -79,7 +79,7 @@ def local_path(url: str) -> str:
 def normalize_location(url: str) -> str:
     """One spelling per location: an absolute path for local paths and ``file://`` URLs, the URL
     without a trailing slash otherwise."""
-    return normalize_location(url)
+    return local_path(url) if is_local(url) else url.rstrip("/")
 
 
 def base_name(path: str) -> str:
