@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointMeta",
     "CheckpointReader",
     "Checkpointer",
+    "CheckpointerOptions",
     "RNGState",
     "SaveRequest",
     "SaveResult",
@@ -53,6 +54,7 @@ __all__ = [
 
 _WHERE = {
     "Checkpointer": "checkpointer",
+    "CheckpointerOptions": "options",
     "CheckpointInfo": "catalog",
     "CheckpointMeta": "compat.forgather",
     "CheckpointReader": "load.reader",
@@ -100,6 +102,7 @@ if TYPE_CHECKING:
         save_checkpoint_metrics,
     )
     from .checkpointer import Checkpointer
+    from .options import CheckpointerOptions
     from .compat.forgather import (
         CheckpointMeta,
         TensorInfo,

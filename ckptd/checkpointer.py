@@ -53,32 +53,18 @@ class Checkpointer:
     ``state.json`` for non-tensor state and ``checkpoint_manifest.json``, written last.
 
     Args:
-        root: directory or URL holding the checkpoints.
-        max_shard_size: largest shard file, as bytes or ``"2GB"``/``"512MiB"``.
-        storage_options: passed to fsspec for URLs.
-        max_in_flight: saves that may be staged while earlier ones are still being written.
-        keep_last: keep only this many newest checkpoints (older ones are deleted after a commit).
-        allow_pickle: allow arbitrary objects in the state (pickled); loading needs it too.
-        fsync: make files durable before committing (local storage).
-        write_threads: files the writer writes at once.
-        chunk_size: bytes per write call in the writer.
-        writer_nice: CPU niceness increment of the writer process (default 10: when training
-            keeps the cores busy the writer yields, so steps slow down little; on idle cores
-            it runs at full speed).
-        writer_ionice: best-effort I/O priority of the writer (0 highest, 7 lowest; None: leave).
-        staging: default staging mode of :meth:`async_save` (``"blocking"`` or ``"background"``).
-        direct_io: write local files with ``O_DIRECT`` (default; bypasses the page cache, which
-            saves the kernel's copy into it: less CPU and faster; falls back to buffered writes
-            where the filesystem refuses it).
-        drop_cache: drop written files from the page cache once they are durable.
-        no_dist: save from this process alone even under torch.distributed (as DCP's
-            ``no_dist``), e.g. a Checkpointer created on rank 0 only.
-        incremental: don't rewrite what did not change since this Checkpointer's previous save:
-            ``True`` reuses the files of frozen tensors (parameters with ``requires_grad=False``
-            and keys declared with ``async_save(frozen=...)``), kept in files of their own;
-            ``"hash"`` also lets the writer skip any file whose CRC32C is unchanged.  The manifest
-            then references the earlier checkpoint's files (which retention keeps alive); HF tools
-            need a self-contained copy: ``ckptd consolidate``.
+        root: directory or URL holding the checkpoints (a path, ``file://``, ``s3://``,
+            ``gs://``, ``memory://`` or any fsspec URL).
+        options: a :class:`~ckptd.CheckpointerOptions`; default: ``CheckpointerOptions.from_env()``
+            (the ``DEFAULT_*`` values, replaced by the ``CKPTD_*`` variables that are set).
+        process_group: the torch.distributed group whose ranks save together (default: the
+            default group when one is initialized; ``options.no_dist`` saves alone).
+        **overrides: any field of :class:`~ckptd.CheckpointerOptions` (``max_shard_size="2GB"``,
+            ``keep_last=3``, ``storage_options={...}``, ``incremental=True``, ...), winning over
+            ``options``.  An unknown name is a :class:`~ckptd.errors.ConfigError`.
+
+    With ``incremental``, the manifest references the earlier checkpoint's files (which
+    retention keeps alive); HF tools need a self-contained copy: ``ckptd consolidate``.
 
     Use as a context manager, or call :meth:`close`; pending saves are finished first.
     """
@@ -86,50 +72,14 @@ class Checkpointer:
     def __init__(
         self,
         root: str | os.PathLike[str],
+        options: CheckpointerOptions | None = None,
         *,
-        max_shard_size: int | str | None = None,
-        storage_options: dict[str, Any] | None = None,
-        max_in_flight: int | None = None,
-        keep_last: int | None = None,
-        allow_pickle: bool = False,
-        fsync: bool = True,
-        write_threads: int | None = None,
-        chunk_size: int | str | None = None,
-        writer_nice: int = 10,
-        part_size: int | str | None = None,
-        part_concurrency: int | None = None,
-        retry_attempts: int | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
         process_group: Any = None,
-        coordinator_rank: int = 0,
-        dist_timeout: float = 600.0,
-        staging: str = "blocking",
-        direct_io: bool = True,
-        drop_cache: bool = True,
-        writer_ionice: int | None = 7,
-        incremental: bool | str = False,
-        no_dist: bool = False,
+        **overrides: Any,
     ) -> None:
         root = os.fspath(root)
-        self.options = CheckpointerOptions.resolve(
-            max_shard_size=max_shard_size,
-            chunk_size=chunk_size,
-            max_in_flight=max_in_flight,
-            write_threads=write_threads,
-            fsync=fsync,
-            keep_last=keep_last,
-            allow_pickle=allow_pickle,
-            storage_options=storage_options,
-            part_size=part_size,
-            part_concurrency=part_concurrency,
-            retry_attempts=retry_attempts,
-            cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
-            remote=not is_local(root),
-            staging=staging,
-            direct_io=direct_io,
-            drop_cache=drop_cache,
-            incremental=incremental,
-        )
+        base = options if options is not None else CheckpointerOptions.from_env()
+        self.options = base.with_overrides(**overrides).for_location(remote=not is_local(root))
         self.root = normalize_location(root)
         self.storage = storage_for(self.root, self.options.storage_options, self.options.tuning)
         self.storage.check_access(self.root)
@@ -139,11 +89,18 @@ class Checkpointer:
             InProcessWriter()
             if in_process_only(self.root)
             else WriterClient(
-                start_timeout=self.options.writer_start_timeout, nice=writer_nice, ionice=writer_ionice, label=self.root
+                start_timeout=self.options.writer_start_timeout,
+                nice=self.options.writer_nice,
+                ionice=self.options.writer_ionice,
+                label=self.root,
             )
         )
         self._cleanup = Cleanup(self.storage)
-        self._dist = None if no_dist else DistContext.detect(process_group, coordinator_rank, dist_timeout)
+        self._dist = (
+            None
+            if self.options.no_dist
+            else DistContext.detect(process_group, self.options.coordinator_rank, self.options.dist_timeout)
+        )
         self._pool = StagingPool(self._writer, self.options.max_in_flight)
         self._saver = Saver(
             root=self.root,

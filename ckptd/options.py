@@ -6,6 +6,7 @@ environment variable that wins over the default.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -36,6 +37,9 @@ DEFAULT_WRITER_START_TIMEOUT = 60.0
 DEFAULT_WRITE_THREADS = 1
 DEFAULT_REMOTE_WRITE_THREADS = 4
 DEFAULT_CLEANUP_TIMEOUT = 60.0
+DEFAULT_WRITER_NICE = 10
+DEFAULT_WRITER_IONICE = 7  # best-effort class, lowest priority
+DEFAULT_DIST_TIMEOUT = 600.0
 
 _SIZE_UNITS = {
     "": 1,
@@ -70,132 +74,164 @@ def parse_size(value: int | str, what: str = "size") -> int:
     raise ConfigError(f"{what} must be a positive int or a string like '2GB' or '512MiB', got {value!r}")
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    return parse_size(raw, name)
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError as e:
-        raise ConfigError(f"{name} must be a number, got {raw!r}") from e
+_ENV_SIZES = {
+    "max_shard_size": "CKPTD_MAX_SHARD_SIZE",
+    "chunk_size": "CKPTD_CHUNK_SIZE",
+    "max_in_flight": "CKPTD_MAX_IN_FLIGHT",
+    "write_threads": "CKPTD_WRITE_THREADS",
+    "part_size": "CKPTD_PART_SIZE",
+    "part_concurrency": "CKPTD_PART_CONCURRENCY",
+    "retry_attempts": "CKPTD_RETRY_ATTEMPTS",
+}
+_ENV_SECONDS = {
+    "writer_start_timeout": "CKPTD_WRITER_START_TIMEOUT",
+    "cleanup_timeout": "CKPTD_CLEANUP_TIMEOUT",
+    "dist_timeout": "CKPTD_DIST_TIMEOUT",
+}
 
 
 @dataclass(frozen=True)
 class CheckpointerOptions:
-    """Resolved settings of one :class:`ckptd.Checkpointer`.
+    """Every setting of one :class:`ckptd.Checkpointer`, validated when built.
 
-    ``chunk_size``: bytes per write call in the writer (``CKPTD_CHUNK_SIZE``).
-    ``max_in_flight``: staging arenas, i.e. saves that may be staged while earlier ones are still
-    being written (``CKPTD_MAX_IN_FLIGHT``); beyond it ``async_save`` waits (back-pressure).
-    ``write_threads``: files the writer writes at once (``CKPTD_WRITE_THREADS``).
-    ``writer_start_timeout``: seconds to wait for the writer's handshake.
-    ``tuning``: object-store part size (``CKPTD_PART_SIZE``), parts in flight per file
-    (``CKPTD_PART_CONCURRENCY``) and attempts per request (``CKPTD_RETRY_ATTEMPTS``).
-    ``cache_dir``: local directory caching files of remote checkpoints read by ``load``.
-    ``incremental``: reuse unchanged files of the previous save (``True``: files of frozen
-    tensors; ``"hash"``: also any file whose CRC32C the writer finds unchanged).
+    ``CheckpointerOptions()`` holds the ``DEFAULT_*`` values; :meth:`from_env` lets ``CKPTD_*``
+    environment variables replace defaults; ``Checkpointer(root, options, **overrides)`` and
+    :meth:`with_overrides` let explicit values win over both.  Sizes may be given as bytes or as
+    strings (``"2GB"`` decimal like HF, ``"512MiB"`` binary) and are stored as ints.
+
+    Layout and durability:
+        ``max_shard_size``: largest shard file (``CKPTD_MAX_SHARD_SIZE``).
+        ``fsync``: make files durable before committing (local storage).
+        ``keep_last``: keep only this many newest checkpoints (older ones are deleted after a commit).
+        ``allow_pickle``: allow arbitrary objects in the state (pickled); loading needs it too.
+        ``incremental``: reuse unchanged files of the previous save (``True``: files of frozen
+        tensors; ``"hash"``: also any file whose CRC32C the writer finds unchanged).
+    Staging and the writer process:
+        ``staging``: default mode of ``async_save`` (``"blocking"`` or ``"background"``).
+        ``max_in_flight``: staging arenas, i.e. saves that may be staged while earlier ones are
+        still being written (``CKPTD_MAX_IN_FLIGHT``); beyond it ``async_save`` waits.
+        ``write_threads``: files the writer writes at once (``CKPTD_WRITE_THREADS``; ``None``:
+        1 for local storage, 4 for object stores).
+        ``chunk_size``: bytes per write call in the writer (``CKPTD_CHUNK_SIZE``).
+        ``writer_start_timeout``: seconds to wait for the writer's handshake.
+        ``writer_nice``: CPU niceness increment of the writer (default 10: when training keeps
+        the cores busy the writer yields; on idle cores it runs at full speed).
+        ``writer_ionice``: best-effort I/O priority of the writer (0 highest, 7 lowest; ``None``: leave).
+        ``direct_io``: write local files with ``O_DIRECT`` (falls back to buffered writes where
+        the filesystem refuses it).  ``drop_cache``: drop written files from the page cache once durable.
+    Object stores:
+        ``storage_options``: passed to fsspec unchanged (endpoint, credentials...).
+        ``part_size`` (``CKPTD_PART_SIZE``), ``part_concurrency`` (parts in flight per save,
+        ``CKPTD_PART_CONCURRENCY``), ``retry_attempts`` (tries per request, ``CKPTD_RETRY_ATTEMPTS``).
+        ``cache_dir``: local directory caching files of remote checkpoints read by ``load``.
+        ``cleanup_timeout``: seconds ``close()`` keeps retrying removal of failed saves' leftovers.
+    Distributed:
+        ``coordinator_rank``: the rank that commits.  ``dist_timeout``: seconds any rank waits for
+        another during a save (``CKPTD_DIST_TIMEOUT``).  ``no_dist``: save from this process alone
+        even under torch.distributed (as DCP's ``no_dist``).
     """
 
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
-    write_threads: int = DEFAULT_WRITE_THREADS
-    writer_start_timeout: float = DEFAULT_WRITER_START_TIMEOUT
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
     fsync: bool = True
     keep_last: int | None = None
     allow_pickle: bool = False
+    incremental: bool | str = False
+    staging: str = "blocking"
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    write_threads: int | None = None
+    chunk_size: int | str = DEFAULT_CHUNK_SIZE
+    writer_start_timeout: float = DEFAULT_WRITER_START_TIMEOUT
+    writer_nice: int = DEFAULT_WRITER_NICE
+    writer_ionice: int | None = DEFAULT_WRITER_IONICE
+    direct_io: bool = True
+    drop_cache: bool = True
     storage_options: dict[str, Any] = field(default_factory=dict)
-    tuning: StorageTuning = field(default_factory=StorageTuning)
+    part_size: int | str = DEFAULT_PART_SIZE
+    part_concurrency: int = DEFAULT_PART_CONCURRENCY
+    retry_attempts: int = DEFAULT_RETRY_ATTEMPTS
     cache_dir: str | None = None
     cleanup_timeout: float = DEFAULT_CLEANUP_TIMEOUT
-    staging: str = "blocking"
-    incremental: bool | str = False
+    coordinator_rank: int = 0
+    dist_timeout: float = DEFAULT_DIST_TIMEOUT
+    no_dist: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_shard_size", "chunk_size", "part_size"):
+            object.__setattr__(self, name, parse_size(getattr(self, name), name))
+        object.__setattr__(self, "storage_options", dict(self.storage_options or {}))
+        if self.cache_dir is not None:
+            object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
+        if self.staging not in ("blocking", "background"):
+            raise ConfigError(f"staging must be 'blocking' or 'background', got {self.staging!r}")
+        if self.incremental not in (False, True, "hash"):
+            raise ConfigError(f"incremental must be False, True or 'hash', got {self.incremental!r}")
+        if self.part_size < MIN_PART_SIZE:
+            raise ConfigError(f"part_size must be at least 5 MiB (the S3 minimum), got {self.part_size}")
+        if self.part_concurrency < 1 or self.retry_attempts < 1:
+            raise ConfigError("part_concurrency and retry_attempts must be >= 1")
+        if self.max_in_flight < 1:
+            raise ConfigError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.write_threads is not None and self.write_threads < 1:
+            raise ConfigError(f"write_threads must be >= 1, got {self.write_threads}")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ConfigError(f"keep_last must be >= 1 or None, got {self.keep_last}")
+        if self.writer_ionice is not None and not 0 <= self.writer_ionice <= 7:
+            raise ConfigError(f"writer_ionice must be 0..7 or None, got {self.writer_ionice}")
+        if self.dist_timeout <= 0 or self.writer_start_timeout <= 0:
+            raise ConfigError("dist_timeout and writer_start_timeout must be positive")
 
     @classmethod
-    def resolve(
-        cls,
-        *,
-        max_shard_size: int | str | None = None,
-        chunk_size: int | str | None = None,
-        max_in_flight: int | None = None,
-        write_threads: int | None = None,
-        writer_start_timeout: float | None = None,
-        fsync: bool = True,
-        keep_last: int | None = None,
-        allow_pickle: bool = False,
-        storage_options: dict[str, Any] | None = None,
-        part_size: int | str | None = None,
-        part_concurrency: int | None = None,
-        retry_attempts: int | None = None,
-        cache_dir: str | None = None,
-        remote: bool = False,
-        staging: str = "blocking",
-        direct_io: bool = True,
-        drop_cache: bool = True,
-        incremental: bool | str = False,
-    ) -> CheckpointerOptions:
-        """Combine explicit arguments (which win), ``CKPTD_*`` variables and defaults."""
-        resolved_in_flight = (
-            max_in_flight if max_in_flight is not None else _env_int("CKPTD_MAX_IN_FLIGHT", DEFAULT_MAX_IN_FLIGHT)
+    def from_env(cls, **overrides: Any) -> CheckpointerOptions:
+        """Defaults, replaced by the ``CKPTD_*`` variables that are set, replaced by ``overrides``."""
+        values: dict[str, Any] = {}
+        for name, variable in _ENV_SIZES.items():
+            raw = os.environ.get(variable)
+            if raw:
+                values[name] = parse_size(raw, variable)
+        for name, variable in _ENV_SECONDS.items():
+            raw = os.environ.get(variable)
+            if raw:
+                values[name] = _parse_seconds(raw, variable)
+        return cls().with_overrides(**values).with_overrides(**overrides)
+
+    def with_overrides(self, **overrides: Any) -> CheckpointerOptions:
+        """A copy with ``overrides`` applied (``None`` keeps the current value); unknown names
+        are a :class:`~ckptd.errors.ConfigError` naming the valid ones."""
+        unknown = sorted(set(overrides) - _FIELD_NAMES)
+        if unknown:
+            raise ConfigError(f"unknown Checkpointer option(s) {unknown}; valid options: {sorted(_FIELD_NAMES)}")
+        given = {k: v for k, v in overrides.items() if v is not None or k in _NONE_IS_A_VALUE}
+        return dataclasses.replace(self, **given) if given else self
+
+    def for_location(self, remote: bool) -> CheckpointerOptions:
+        """These options with the per-storage defaults filled in (``write_threads``)."""
+        if self.write_threads is not None:
+            return self
+        threads = DEFAULT_REMOTE_WRITE_THREADS if remote else DEFAULT_WRITE_THREADS
+        return dataclasses.replace(self, write_threads=threads)
+
+    @property
+    def tuning(self) -> StorageTuning:
+        """The storage backends' share of these options."""
+        return StorageTuning(
+            part_size=int(self.part_size),
+            part_concurrency=self.part_concurrency,
+            retry_attempts=self.retry_attempts,
+            direct_io=self.direct_io,
+            drop_cache=self.drop_cache,
         )
-        resolved_threads = (
-            write_threads
-            if write_threads is not None
-            else _env_int("CKPTD_WRITE_THREADS", DEFAULT_REMOTE_WRITE_THREADS if remote else DEFAULT_WRITE_THREADS)
-        )
-        tuning = StorageTuning(
-            part_size=parse_size(part_size, "part_size")
-            if part_size is not None
-            else _env_int("CKPTD_PART_SIZE", DEFAULT_PART_SIZE),
-            part_concurrency=part_concurrency
-            if part_concurrency is not None
-            else _env_int("CKPTD_PART_CONCURRENCY", DEFAULT_PART_CONCURRENCY),
-            retry_attempts=retry_attempts
-            if retry_attempts is not None
-            else _env_int("CKPTD_RETRY_ATTEMPTS", DEFAULT_RETRY_ATTEMPTS),
-            direct_io=direct_io,
-            drop_cache=drop_cache,
-        )
-        if staging not in ("blocking", "background"):
-            raise ConfigError(f"staging must be 'blocking' or 'background', got {staging!r}")
-        if incremental not in (False, True, "hash"):
-            raise ConfigError(f"incremental must be False, True or 'hash', got {incremental!r}")
-        if tuning.part_size < MIN_PART_SIZE:
-            raise ConfigError(f"part_size must be at least 5 MiB (the S3 minimum), got {tuning.part_size}")
-        if tuning.part_concurrency < 1 or tuning.retry_attempts < 1:
-            raise ConfigError("part_concurrency and retry_attempts must be >= 1")
-        if resolved_in_flight < 1:
-            raise ConfigError(f"max_in_flight must be >= 1, got {resolved_in_flight}")
-        if resolved_threads < 1:
-            raise ConfigError(f"write_threads must be >= 1, got {resolved_threads}")
-        if keep_last is not None and keep_last < 1:
-            raise ConfigError(f"keep_last must be >= 1 or None, got {keep_last}")
-        return cls(
-            max_shard_size=parse_size(max_shard_size, "max_shard_size")
-            if max_shard_size is not None
-            else _env_int("CKPTD_MAX_SHARD_SIZE", DEFAULT_MAX_SHARD_SIZE),
-            chunk_size=parse_size(chunk_size, "chunk_size")
-            if chunk_size is not None
-            else _env_int("CKPTD_CHUNK_SIZE", DEFAULT_CHUNK_SIZE),
-            max_in_flight=resolved_in_flight,
-            write_threads=resolved_threads,
-            writer_start_timeout=writer_start_timeout
-            if writer_start_timeout is not None
-            else _env_float("CKPTD_WRITER_START_TIMEOUT", DEFAULT_WRITER_START_TIMEOUT),
-            fsync=fsync,
-            keep_last=keep_last,
-            allow_pickle=allow_pickle,
-            storage_options=dict(storage_options or {}),
-            tuning=tuning,
-            cache_dir=cache_dir,
-            cleanup_timeout=_env_float("CKPTD_CLEANUP_TIMEOUT", DEFAULT_CLEANUP_TIMEOUT),
-            staging=staging,
-            incremental=incremental,
-        )
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(CheckpointerOptions))
+# Options whose explicit None means something (not "keep the current value").
+_NONE_IS_A_VALUE = frozenset({"writer_ionice"})
+
+
+def _parse_seconds(raw: str, variable: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise ConfigError(f"{variable} must be a number of seconds, got {raw!r}") from e
+    if not value > 0:
+        raise ConfigError(f"{variable} must be positive, got {raw!r}")
+    return value
