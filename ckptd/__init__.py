@@ -2,6 +2,10 @@
 
 Public names are imported lazily, so ``import ckptd`` (and the torch-free writer process, which
 lives in this package) stays cheap until a name is used.
+
+``__all__`` lists ckptd's own API.  The seed-compatible names (Forgather ``sharded_checkpoint``,
+ModelOpt ``sharded_checkpoint_utils``, Megatron ``dist_checkpointing``) live in
+:mod:`ckptd.compat` and stay importable from here for existing users (``ckptd.save_checkpoint``).
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from ._version import __version__
 
 __all__ = [
     "CheckpointInfo",
-    "CheckpointMeta",
     "CheckpointReader",
     "Checkpointer",
     "CheckpointerOptions",
@@ -22,110 +25,93 @@ __all__ = [
     "SaveResult",
     "ShardedTensor",
     "Sharing",
-    "TensorInfo",
     "__version__",
     "consolidate",
     "create_sharing_metadata",
     "errors",
-    "find_latest_checkpoint",
     "get_param_id_to_sharded_param_map",
-    "get_checkpoint_metadata",
-    "index_file_name",
-    "is_in_safetensors_format",
-    "load_checkpoint",
-    "load_checkpoint_metrics",
-    "load_shard_index",
-    "load_sharded_checkpoint",
-    "load_sharded_state_dict",
     "load_tensors_metadata",
-    "make_shard_index",
-    "maybe_delete_oldest_checkpoint",
-    "next_checkpoint_path",
     "optim_state_to_sharding_state",
     "retie_parameters",
-    "save_checkpoint",
-    "save_checkpoint_metrics",
-    "save_shard_index",
-    "save_sharded_checkpoint",
-    "save_sharded_model",
-    "validate_checkpoint",
     "validate_sharding",
 ]
 
-_WHERE = {
+# ckptd's own names: where each lives.
+_CORE = {
     "Checkpointer": "checkpointer",
     "CheckpointerOptions": "options",
     "CheckpointInfo": "catalog",
-    "CheckpointMeta": "compat.forgather",
     "CheckpointReader": "load.reader",
     "RNGState": "rng",
     "SaveRequest": "request",
     "SaveResult": "request",
     "ShardedTensor": "dist.sharding",
     "Sharing": "dist.group",
-    "TensorInfo": "compat.forgather",
     "consolidate": "tools.consolidate",
-    "load_tensors_metadata": "compat.forgather",
-    "validate_sharding": "dist.sharding",
-    "get_param_id_to_sharded_param_map": "dist.optim",
-    "optim_state_to_sharding_state": "dist.optim",
     "create_sharing_metadata": "load.assign",
-    "find_latest_checkpoint": "catalog",
+    "get_param_id_to_sharded_param_map": "dist.optim",
+    "load_tensors_metadata": "compat.megatron",
+    "optim_state_to_sharding_state": "dist.optim",
+    "retie_parameters": "load.assign",
+    "validate_sharding": "dist.sharding",
+}
+
+# Seed-compatible names, kept importable from the top level (not in ``__all__``).
+_COMPAT = {
+    "CheckpointMeta": "compat.forgather",
+    "TensorInfo": "compat.megatron",
+    "find_latest_checkpoint": "compat.forgather",
     "get_checkpoint_metadata": "compat.forgather",
     "index_file_name": "compat.forgather",
-    "is_in_safetensors_format": "compat.forgather",
+    "is_in_safetensors_format": "compat.modelopt",
     "load_checkpoint": "compat.forgather",
-    "load_checkpoint_metrics": "catalog",
+    "load_checkpoint_metrics": "compat.forgather",
     "load_shard_index": "compat.forgather",
     "load_sharded_checkpoint": "compat.forgather",
-    "load_sharded_state_dict": "compat.forgather",
+    "load_sharded_state_dict": "compat.modelopt",
     "make_shard_index": "compat.forgather",
-    "maybe_delete_oldest_checkpoint": "catalog",
-    "next_checkpoint_path": "catalog",
-    "retie_parameters": "load.assign",
+    "maybe_delete_oldest_checkpoint": "compat.forgather",
+    "next_checkpoint_path": "compat.forgather",
     "save_checkpoint": "compat.forgather",
-    "save_checkpoint_metrics": "catalog",
+    "save_checkpoint_metrics": "compat.forgather",
     "save_shard_index": "compat.forgather",
     "save_sharded_checkpoint": "compat.forgather",
-    "save_sharded_model": "compat.forgather",
+    "save_sharded_model": "compat.modelopt",
     "validate_checkpoint": "compat.forgather",
 }
 
+_WHERE = {**_CORE, **_COMPAT}
+
 if TYPE_CHECKING:
     from . import errors
-    from .catalog import (
-        CheckpointInfo,
-        find_latest_checkpoint,
-        load_checkpoint_metrics,
-        maybe_delete_oldest_checkpoint,
-        next_checkpoint_path,
-        save_checkpoint_metrics,
-    )
+    from .catalog import CheckpointInfo
     from .checkpointer import Checkpointer
-    from .options import CheckpointerOptions
     from .compat.forgather import (
         CheckpointMeta,
-        TensorInfo,
+        find_latest_checkpoint,
         get_checkpoint_metadata,
         index_file_name,
-        is_in_safetensors_format,
         load_checkpoint,
+        load_checkpoint_metrics,
         load_shard_index,
         load_sharded_checkpoint,
-        load_sharded_state_dict,
-        load_tensors_metadata,
         make_shard_index,
+        maybe_delete_oldest_checkpoint,
+        next_checkpoint_path,
         save_checkpoint,
+        save_checkpoint_metrics,
         save_shard_index,
         save_sharded_checkpoint,
-        save_sharded_model,
         validate_checkpoint,
     )
+    from .compat.megatron import TensorInfo, load_tensors_metadata
+    from .compat.modelopt import is_in_safetensors_format, load_sharded_state_dict, save_sharded_model
     from .dist.group import Sharing
     from .dist.optim import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
     from .dist.sharding import ShardedTensor, validate_sharding
     from .load.assign import create_sharing_metadata, retie_parameters
     from .load.reader import CheckpointReader
+    from .options import CheckpointerOptions
     from .request import SaveRequest, SaveResult
     from .rng import RNGState
     from .tools.consolidate import consolidate
@@ -143,4 +129,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted({*__all__, *_COMPAT})

@@ -7,7 +7,6 @@ listing and removed by :func:`collect_garbage` once their owner is gone.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -15,32 +14,24 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
 
 from .errors import CorruptCheckpointError, StorageError
 from .formats.manifest import MANIFEST_NAME, Manifest
-from .storage import Storage, base_name, is_local, normalize_location, storage_for
+from .storage import Storage, base_name
 
 __all__ = [
-    "METRICS_NAME",
     "CheckpointInfo",
     "apply_retention",
     "checkpoint_dir_name",
     "collect_garbage",
-    "find_latest_checkpoint",
     "latest_checkpoint",
     "list_checkpoints",
-    "load_checkpoint_metrics",
-    "maybe_delete_oldest_checkpoint",
-    "next_checkpoint_path",
     "parse_step",
     "read_manifest",
     "remove_checkpoint",
-    "save_checkpoint_metrics",
     "staging_dir_name",
 ]
 
-METRICS_NAME = "metrics.json"
 _DIR_RE = re.compile(r"^checkpoint-(\d+)$")
 _STAGING_RE = re.compile(r"^\.checkpoint-(\d+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+$")
 _STALE_SECONDS = 24 * 3600
@@ -203,60 +194,3 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-# ---- Forgather-compatible helpers (a model directory with a ``checkpoints/`` folder) -----------
-
-
-def _checkpoints_root(model_dir: str) -> tuple[Storage, str]:
-    root = normalize_location(model_dir)
-    storage = storage_for(root)
-    sub = storage.join(root, "checkpoints")
-    return storage, (sub if "checkpoints" in storage.list_names(root) else root)
-
-
-def find_latest_checkpoint(model_dir: str) -> str | None:
-    """Path of the newest committed checkpoint in ``model_dir/checkpoints`` (or ``model_dir``)."""
-    storage, root = _checkpoints_root(model_dir)
-    info = latest_checkpoint(storage, root)
-    return info.path if info else None
-
-
-def next_checkpoint_path(model_dir: str, checkpoint_id: int | str) -> str:
-    """``model_dir/checkpoints/checkpoint-<id>``: where the next checkpoint goes."""
-    name = checkpoint_dir_name(checkpoint_id) if isinstance(checkpoint_id, int) else f"checkpoint-{checkpoint_id}"
-    if is_local(model_dir):
-        return os.path.join(model_dir, "checkpoints", name)
-    return f"{model_dir.rstrip('/')}/checkpoints/{name}"
-
-
-def maybe_delete_oldest_checkpoint(
-    model_dir: str,
-    max_checkpoints: int,
-    best_checkpoint: str | None = None,
-    preserved_checkpoints: list[str] | None = None,
-) -> None:
-    """Delete the oldest checkpoints beyond ``max_checkpoints``, keeping the best and preserved ones."""
-    storage, root = _checkpoints_root(model_dir)
-    keep = [p for p in [best_checkpoint, *(preserved_checkpoints or [])] if p]
-    protect = {normalize_location(p) for p in keep}
-    apply_retention(storage, root, max_checkpoints, protect)
-
-
-def save_checkpoint_metrics(checkpoint_path: str, metrics: dict[str, float]) -> None:
-    """Write ``metrics.json`` beside a checkpoint (atomically on local disk)."""
-    path = normalize_location(checkpoint_path)
-    storage = storage_for(path)
-    storage.write_stream(storage.join(path, METRICS_NAME), [memoryview(json.dumps(metrics).encode())])
-
-
-def load_checkpoint_metrics(checkpoint_path: str) -> dict[str, Any] | None:
-    """Metrics saved with :func:`save_checkpoint_metrics`, else those recorded in the manifest."""
-    path = normalize_location(checkpoint_path)
-    storage = storage_for(path)
-    try:
-        return dict(json.loads(storage.read_bytes(storage.join(path, METRICS_NAME))))
-    except FileNotFoundError:
-        pass
-    manifest = read_manifest(storage, path)
-    return dict(manifest.metrics) if manifest is not None and manifest.metrics else None

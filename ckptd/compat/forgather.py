@@ -1,4 +1,4 @@
-"""The seed-compatible functional API (Forgather ``sharded_checkpoint``, ModelOpt helpers).
+"""Forgather ``sharded_checkpoint``: its functional API, same names and signatures.
 
 These functions save and load synchronously in the calling process; use
 :class:`ckptd.Checkpointer` for asynchronous saves of whole training state.  What they write is
@@ -11,17 +11,16 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .._version import __version__
+from ..catalog import apply_retention, checkpoint_dir_name, latest_checkpoint, read_manifest
 from ..errors import ConfigError, CorruptCheckpointError, KeyMismatchError
-from ..formats.checksum import crc32c, format_crc
 from ..formats.manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, TensorRecord, utc_now
-from ..formats.safetensors import dtype_from_name
 from ..formats.torch_bin import save_bin_bytes
 from ..load.assign import create_sharing_metadata, load_into_module, retie_parameters
 from ..load.reader import (
@@ -30,34 +29,35 @@ from ..load.reader import (
     TORCH_BIN_INDEX,
     TORCH_BIN_SINGLE,
     CheckpointReader,
-    tensor_memoryview,
 )
 from ..options import parse_size
 from ..save.flatten import find_tied_groups
-from ..save.plan import FileLayout, WriteItem, bucket_items, describe_tensors, plan_file
-from ..storage import Storage, check_file_name, local_path, normalize_location, storage_for
+from ..save.plan import WriteItem, bucket_items, describe_tensors, plan_file
+from ..save.tensor_files import write_safetensors_file, write_whole_file
+from ..storage import Storage, check_file_name, is_local, local_path, normalize_location, storage_for
 
 __all__ = [
+    "METRICS_NAME",
     "CheckpointMeta",
-    "TensorInfo",
     "ShardIndex",
     "SharingMetadataT",
     "StateDictLike",
     "create_sharing_metadata",
+    "find_latest_checkpoint",
     "get_checkpoint_metadata",
     "index_file_name",
-    "is_in_safetensors_format",
     "load_checkpoint",
+    "load_checkpoint_metrics",
     "load_shard_index",
     "load_sharded_checkpoint",
-    "load_sharded_state_dict",
-    "load_tensors_metadata",
     "make_shard_index",
+    "maybe_delete_oldest_checkpoint",
+    "next_checkpoint_path",
     "retie_parameters",
     "save_checkpoint",
+    "save_checkpoint_metrics",
     "save_shard_index",
     "save_sharded_checkpoint",
-    "save_sharded_model",
     "validate_checkpoint",
 ]
 
@@ -66,30 +66,6 @@ ShardIndex = dict[str, dict[str, Any]]
 SharingMetadataT = list[list[str]]
 
 _SHARD_RE = re.compile(r"^(?:model|pytorch_model)-\d{5}-of-\d{5}\.(?:safetensors|bin)$")
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """A stored tensor's dtype and global shape (what :func:`load_tensors_metadata` returns)."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-def load_tensors_metadata(
-    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
-) -> dict[str, dict[str, TensorInfo]]:
-    """Global shapes and dtypes of every tensor, per component, without reading tensor data
-    (ckptd: from the manifest; HF checkpoints: from the shard headers)."""
-    reader = CheckpointReader.open(path, storage_options)
-    out: dict[str, dict[str, TensorInfo]] = {}
-    for component in reader.components():
-        records = reader.locate(component) if reader.kind != "torch_bin_sharded" else {}
-        aliases = {k: a for group in reader.tied_groups(component) for k in group[1:] for a in group[:1]}
-        infos = {key: TensorInfo(dtype_from_name(r.dtype), tuple(r.shape)) for key, r in records.items()}
-        infos.update({alias: infos[stored] for alias, stored in aliases.items() if stored in infos})
-        out[component] = infos
-    return out
 
 
 @dataclass(frozen=True)
@@ -218,9 +194,9 @@ def save_sharded_checkpoint(
         tensors = {k: state[k] for k in keys}
         path = storage.join(directory, file_name)
         if safetensors:
-            records[file_name] = _write_safetensors(storage, path, tensors)
+            records[file_name] = write_safetensors_file(storage, path, tensors)
         else:
-            records[file_name] = _write_bytes(storage, path, save_bin_bytes(tensors))
+            records[file_name] = write_whole_file(storage, path, save_bin_bytes(tensors))
     return records
 
 
@@ -257,7 +233,7 @@ def save_checkpoint(
     index = make_shard_index([state], metadata, safetensors, max_shard_size, sharing)
     written = save_sharded_checkpoint(directory, index, state, safetensors, storage_options=storage_options)
     index_name = index_file_name(safetensors)
-    written[index_name] = _write_bytes(
+    written[index_name] = write_whole_file(
         storage, storage.join(directory, index_name), json.dumps(index, indent=2).encode()
     )
     _remove_stale_shards(storage, directory, set(written))
@@ -279,7 +255,7 @@ def save_checkpoint(
         files=written,
         metadata=dict(metadata or {}),
     )
-    _write_bytes(storage, storage.join(directory, MANIFEST_NAME), manifest.to_json())
+    write_whole_file(storage, storage.join(directory, MANIFEST_NAME), manifest.to_json())
 
 
 def _group(weight_map: Mapping[str, str]) -> dict[str, list[str]]:
@@ -293,47 +269,6 @@ def _remove_stale_shards(storage: Storage, directory: str, keep: set[str]) -> No
     for name in storage.list_names(directory):
         if _SHARD_RE.match(name) and name not in keep:
             storage.remove(storage.join(directory, name))
-
-
-def _write_bytes(storage: Storage, path: str, data: bytes) -> FileRecord:
-    """Write a whole file (atomically on local disk) and return its record."""
-    storage.write_stream(path, [memoryview(data)])
-    return FileRecord(len(data), format_crc(crc32c(data)))
-
-
-def _write_safetensors(storage: Storage, path: str, tensors: Mapping[str, torch.Tensor]) -> FileRecord:
-    """Write one safetensors file holding ``tensors`` and return its record."""
-    layout = plan_file("model", path.rsplit("/", 1)[-1], describe_tensors("model", dict(tensors)))
-    return write_layout(storage, path, layout, lambda item: tensors[item.key])
-
-
-def write_layout(
-    storage: Storage, path: str, layout: FileLayout, tensor_for: Callable[[WriteItem], torch.Tensor]
-) -> FileRecord:
-    """Stream a planned safetensors file: its header, then each item's bytes, fetched one tensor
-    at a time with ``tensor_for`` (so memory holds one tensor); returns its size and CRC32C."""
-    checksum = [crc32c(layout.header)]
-
-    def pieces() -> Iterator[memoryview]:
-        yield memoryview(layout.header)
-        for item in layout.items:
-            tensor = tensor_for(item).detach().to("cpu").contiguous()
-            view = tensor_memoryview(tensor)
-            checksum[0] = crc32c(view, checksum[0])
-            yield view
-            del tensor, view
-
-    storage.write_stream(path, pieces())
-    return FileRecord(layout.size, format_crc(checksum[0]))
-
-
-def save_sharded_model(model_shard: StateDictLike, out_path: str) -> None:
-    """ModelOpt: write one safetensors file (e.g. ``<dir>/model.safetensors``) with every tensor."""
-    storage, path = _location(out_path)
-    parent = path.rsplit("/", 1)[0] if not storage.local else os.path.dirname(path)
-    storage.makedirs(parent)
-    state = _state_of(model_shard)
-    _write_safetensors(storage, path, _drop_aliases(state, find_tied_groups(state)))
 
 
 # ---- loading --------------------------------------------------------------------------------
@@ -387,30 +322,6 @@ def load_sharded_checkpoint(
     return load_into_module(reader, "model", module, strict=strict, assign=assign, device=device)
 
 
-def load_sharded_state_dict(
-    model_name_or_path: str | os.PathLike[str],
-    keys_to_load: Iterable[str] | None = None,
-    device: str | torch.device = "cpu",
-) -> dict[str, torch.Tensor]:
-    """ModelOpt: the state dict (or only ``keys_to_load``) of a checkpoint, reading only needed shards."""
-    reader = CheckpointReader.open(os.fspath(model_name_or_path))
-    return reader.read(reader.default_component(), keys_to_load, device=device)
-
-
-def is_in_safetensors_format(checkpoint_dir: str | os.PathLike[str]) -> bool:
-    """ModelOpt: True if the directory holds safetensors weights (single file, index or ckptd)."""
-    try:
-        reader = CheckpointReader.open(os.fspath(checkpoint_dir))
-    except (FileNotFoundError, CorruptCheckpointError):
-        return False
-    if reader.kind in ("hf_sharded", "safetensors"):
-        return True
-    if reader.kind == "ckptd" and reader.manifest is not None:
-        component = reader.manifest.components.get(reader.default_component())
-        return component is not None and component.kind == "safetensors"
-    return False
-
-
 def get_checkpoint_metadata(path: str) -> CheckpointMeta | None:
     """Which file to load from ``path`` (index or single file) and whether it is safetensors."""
     storage, directory = _location(path)
@@ -434,3 +345,63 @@ def validate_checkpoint(path: str) -> bool:
     except (OSError, ValueError, KeyError):
         return False
     return True
+
+
+METRICS_NAME = "metrics.json"
+
+
+# ---- checkpoint management (a model directory with a ``checkpoints/`` folder) ------------------
+
+
+def _checkpoints_root(model_dir: str) -> tuple[Storage, str]:
+    root = normalize_location(model_dir)
+    storage = storage_for(root)
+    sub = storage.join(root, "checkpoints")
+    return storage, (sub if "checkpoints" in storage.list_names(root) else root)
+
+
+def find_latest_checkpoint(model_dir: str) -> str | None:
+    """Path of the newest committed checkpoint in ``model_dir/checkpoints`` (or ``model_dir``)."""
+    storage, root = _checkpoints_root(model_dir)
+    info = latest_checkpoint(storage, root)
+    return info.path if info else None
+
+
+def next_checkpoint_path(model_dir: str, checkpoint_id: int | str) -> str:
+    """``model_dir/checkpoints/checkpoint-<id>``: where the next checkpoint goes."""
+    name = checkpoint_dir_name(checkpoint_id) if isinstance(checkpoint_id, int) else f"checkpoint-{checkpoint_id}"
+    if is_local(model_dir):
+        return os.path.join(model_dir, "checkpoints", name)
+    return f"{model_dir.rstrip('/')}/checkpoints/{name}"
+
+
+def maybe_delete_oldest_checkpoint(
+    model_dir: str,
+    max_checkpoints: int,
+    best_checkpoint: str | None = None,
+    preserved_checkpoints: list[str] | None = None,
+) -> None:
+    """Delete the oldest checkpoints beyond ``max_checkpoints``, keeping the best and preserved ones."""
+    storage, root = _checkpoints_root(model_dir)
+    keep = [p for p in [best_checkpoint, *(preserved_checkpoints or [])] if p]
+    protect = {normalize_location(p) for p in keep}
+    apply_retention(storage, root, max_checkpoints, protect)
+
+
+def save_checkpoint_metrics(checkpoint_path: str, metrics: dict[str, float]) -> None:
+    """Write ``metrics.json`` beside a checkpoint (atomically on local disk)."""
+    path = normalize_location(checkpoint_path)
+    storage = storage_for(path)
+    storage.write_stream(storage.join(path, METRICS_NAME), [memoryview(json.dumps(metrics).encode())])
+
+
+def load_checkpoint_metrics(checkpoint_path: str) -> dict[str, Any] | None:
+    """Metrics saved with :func:`save_checkpoint_metrics`, else those recorded in the manifest."""
+    path = normalize_location(checkpoint_path)
+    storage = storage_for(path)
+    try:
+        return dict(json.loads(storage.read_bytes(storage.join(path, METRICS_NAME))))
+    except FileNotFoundError:
+        pass
+    manifest = read_manifest(storage, path)
+    return dict(manifest.metrics) if manifest is not None and manifest.metrics else None
