@@ -16,6 +16,8 @@ import torch
 
 import ckptd
 
+pytest_plugins = ["leftover_processes"]
+
 
 class TinyLM(torch.nn.Module):
     """A small language-model-shaped module with a tied embedding / output head."""

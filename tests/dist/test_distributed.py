@@ -338,6 +338,7 @@ def die_on_rank_one(rank: int, world: int, root: str) -> dict[str, object]:
             os.kill(ckpt.writer_pid, signal.SIGSTOP)
         request = ckpt.async_save(1, {"model": {"w": torch.ones(1000) * rank}}, sharing={"model": "per_rank"})
         if rank == 1:
+            os.kill(ckpt.writer_pid, signal.SIGCONT)  # a stopped writer could never see its parent die
             os._exit(3)  # the whole rank dies mid-save
         with pytest.raises(DistributedSaveError, match=r"rank 1.*did not report") as info:
             request.wait(60)
