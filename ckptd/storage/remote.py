@@ -65,8 +65,10 @@ class _Reader:
         self.read_many([(offset, buffer)])
 
     def read_many(self, requests: Sequence[tuple[int, memoryview]]) -> None:
+        # Measure and fill in bytes: a typed view (a tensor's buffer) has fewer items than bytes.
+        requests = [(offset, buffer.cast("B") if buffer.format != "B" else buffer) for offset, buffer in requests]
         for offset, buffer in requests:
-            if offset + len(buffer.cast("B") if buffer.format != "B" else buffer) > self.size:
+            if offset + len(buffer) > self.size:
                 raise StorageError(errno_codes.EIO, f"unexpected end of file in {self.path} at byte {self.size}")
         groups = coalesce(requests)
         if groups:
@@ -82,10 +84,12 @@ class _Reader:
 
 
 class FsspecStorage:
-    """Any fsspec filesystem.  Writes stream through ``fs.open(path, "wb")``; reads fetch byte
-    ranges (concurrently on async filesystems); listing always bypasses fsspec's listing cache."""
+    """Any fsspec filesystem: :class:`~ckptd.storage.Storage` without ``write_at`` (an object
+    has one writer).  Writes stream through ``fs.open(path, "wb")``; reads fetch byte ranges
+    (concurrently on async filesystems); listing always bypasses fsspec's listing cache."""
 
     local = False
+    supports_write_at = False
 
     def __init__(
         self, url: str, storage_options: dict[str, Any] | None = None, tuning: StorageTuning | None = None
@@ -130,14 +134,18 @@ class FsspecStorage:
             raise storage_error("check", path, e) from e
 
     def _ls(self, path: str) -> list[dict[str, Any]]:
+        target = self._strip(path).rstrip("/")
         try:
-            return list(self.fs.ls(self._strip(path), detail=True, refresh=True))
-        except TypeError:  # a filesystem without the refresh flag
-            return list(self.fs.ls(self._strip(path), detail=True))
+            try:
+                entries = list(self.fs.ls(target, detail=True, refresh=True))
+            except TypeError:  # a filesystem without the refresh flag
+                entries = list(self.fs.ls(target, detail=True))
         except FileNotFoundError:
             return []
         except OSError as e:
             raise storage_error("list", path, e) from e
+        # Listing a file gives the file itself: like a local file, it has nothing under it.
+        return [e for e in entries if self._strip(str(e["name"])).rstrip("/") != target]
 
     def list_names(self, path: str) -> list[str]:
         return sorted({str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in self._ls(path)})
@@ -182,6 +190,23 @@ class FsspecStorage:
             self._forget(target)
             raise storage_error("write", path, e) from e
 
+    def write_at(
+        self,
+        path: str,
+        offset: int,
+        view: memoryview,
+        *,
+        fsync: bool,
+        chunk_size: int,
+        should_stop: Callable[[], bool],
+        on_progress: Callable[[int], None],
+    ) -> None:
+        """Refused: an object is written whole by one writer (``supports_write_at`` is false)."""
+        raise ConfigError(
+            f"{path}: {self.protocol}:// storage cannot write one file from several ranks at offsets; "
+            "plan one writer per file (shared files need local storage)"
+        )
+
     def write_stream(self, path: str, pieces: Iterable[memoryview]) -> int:
         """Stream ``pieces`` into one object (multipart as the filesystem sees fit)."""
         target = self._strip(path)
@@ -210,10 +235,11 @@ class FsspecStorage:
         target = self._strip(path)
         try:
             out = self.fs.cat_ranges([target] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges])
-        except FileNotFoundError:
-            raise
         except OSError as e:
             raise storage_error("read", path, e) from e
+        for blob in out:  # fsspec returns a failed range's exception in its place
+            if isinstance(blob, BaseException):
+                raise storage_error("read", path, blob) from blob
         return [bytes(blob) for blob in out]
 
     def write_bytes(self, path: str, data: bytes, *, fsync: bool = True, create_only: bool = False) -> None:
@@ -243,16 +269,12 @@ class FsspecStorage:
     def read_bytes(self, path: str) -> bytes:
         try:
             return bytes(self.fs.cat_file(self._strip(path)))
-        except FileNotFoundError:
-            raise
         except OSError as e:
             raise storage_error("read", path, e) from e
 
     def size(self, path: str) -> int:
         try:
             return int(self.fs.size(self._strip(path)))
-        except FileNotFoundError:
-            raise
         except OSError as e:
             raise storage_error("stat", path, e) from e
 
