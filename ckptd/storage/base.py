@@ -123,7 +123,8 @@ def storage_error(action: str, path: str, error: BaseException, code: int | None
 
 def missing_file(action: str, path: str) -> MissingFileError:
     """The :class:`MissingFileError` every backend raises when ``path`` does not exist."""
-    result = MissingFileError(errno_codes.ENOENT, f"cannot {action} {path}: no such file or object")
+    what = "no such object" if "://" in path and not path.startswith("file://") else "no such file or directory"
+    result = MissingFileError(errno_codes.ENOENT, f"cannot {action} {path}: {what}")
     result.filename = path
     return result
 

@@ -55,6 +55,20 @@ def scatter(groups: list[tuple[int, int, list[tuple[int, memoryview]]]], blobs: 
             target[:] = view[offset - start : offset - start + len(target)]
 
 
+def _abandon(file: Any) -> None:
+    """Cancel an unfinished upload: closing the file would upload what it buffered and finish it.
+
+    fsspec's buffered files (s3fs, gcsfs) can ``discard()`` their upload and are then marked
+    closed so that leaving the ``with`` block uploads nothing; other files (``memory://``) are
+    closed as usual and the caller removes what they wrote.
+    """
+    from fsspec.spec import AbstractBufferedFile
+
+    if isinstance(file, AbstractBufferedFile):
+        file.discard()
+        file.closed = True
+
+
 class _Reader:
     def __init__(self, storage: FsspecStorage, path: str) -> None:
         self.storage = storage
@@ -174,21 +188,22 @@ class FsspecStorage:
         target = self._strip(path)
         try:
             with self.fs.open(target, "wb", block_size=max(chunk_size, self.tuning.part_size)) as f:
-                for start in range(0, len(view), chunk_size):
-                    if should_stop():
-                        discard = getattr(f, "discard", None)
-                        if callable(discard):
-                            discard()
-                        raise Stopped(path)
-                    chunk = view[start : start + chunk_size]
-                    f.write(bytes(chunk))
-                    on_progress(len(chunk))
-        except Stopped:
-            self._forget(target)
-            raise
+                try:
+                    for start in range(0, len(view), chunk_size):
+                        if should_stop():
+                            raise Stopped(path)
+                        chunk = view[start : start + chunk_size]
+                        f.write(bytes(chunk))
+                        on_progress(len(chunk))
+                except BaseException:
+                    _abandon(f)
+                    raise
         except OSError as e:
             self._forget(target)
             raise storage_error("write", path, e) from e
+        except BaseException:  # Stopped, or a failing callback: no partial object stays
+            self._forget(target)
+            raise
 
     def write_at(
         self,
@@ -213,12 +228,19 @@ class FsspecStorage:
         total = 0
         try:
             with self.fs.open(target, "wb", block_size=self.tuning.part_size) as f:
-                for piece in pieces:
-                    f.write(bytes(piece))
-                    total += len(piece)
+                try:
+                    for piece in pieces:
+                        f.write(bytes(piece))
+                        total += len(piece)
+                except BaseException:
+                    _abandon(f)
+                    raise
         except OSError as e:
             self._forget(target)
             raise storage_error("write", path, e) from e
+        except BaseException:  # the producer of the pieces failed: no partial object stays
+            self._forget(target)
+            raise
         return total
 
     def _forget(self, target: str) -> None:

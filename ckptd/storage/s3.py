@@ -121,7 +121,13 @@ class S3Storage(FsspecStorage):
         should_stop: Callable[[], bool],
         on_progress: Callable[[int], None],
     ) -> None:
-        self._run(self._upload, path, view, should_stop, on_progress)
+        try:
+            self._run(self._upload, path, view, should_stop, on_progress)
+        except (Stopped, StorageError):
+            raise  # nothing was committed: the upload was aborted or never finished
+        except BaseException:
+            self._forget(self._strip(path))  # a callback failed after a single-request upload
+            raise
 
     async def _upload(
         self, path: str, view: memoryview, should_stop: Callable[[], bool], on_progress: Callable[[int], None]

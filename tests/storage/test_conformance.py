@@ -25,6 +25,7 @@ from ckptd.storage import (
     RangeReading,
     Stopped,
     Storage,
+    storage_for,
 )
 
 PATTERN = bytes((i * 7 + 3) % 251 for i in range(10_000))
@@ -77,6 +78,33 @@ def test_write_stream_joins_the_pieces(storage_place: StoragePlace):
     assert storage_place.storage.write_stream(path, iter(pieces)) == len(PATTERN)
     assert storage_place.storage.read_bytes(path) == PATTERN
     assert storage_place.storage.list_names(storage_place.root) == ["streamed.bin"]  # no temporary left
+
+
+def test_write_stream_whose_pieces_fail_leaves_no_file(storage_place: StoragePlace):
+    path = storage_place.path("broken.bin")
+
+    def pieces():
+        yield memoryview(PATTERN[:4096])
+        raise RuntimeError("the producer failed")
+
+    with pytest.raises(RuntimeError, match="the producer failed"):
+        storage_place.storage.write_stream(path, pieces())
+    assert not storage_place.storage.exists(path)
+    assert storage_place.storage.list_names(storage_place.root) == []
+
+
+def test_write_view_whose_progress_callback_fails_leaves_no_file(storage_place: StoragePlace):
+    path = storage_place.path("broken.bin")
+
+    def on_progress(n: int) -> None:
+        raise RuntimeError("progress failed")
+
+    with pytest.raises(RuntimeError, match="progress failed"):
+        storage_place.storage.write_view(
+            path, memoryview(PATTERN), fsync=True, chunk_size=4096, should_stop=lambda: False, on_progress=on_progress
+        )
+    assert not storage_place.storage.exists(path)
+    assert storage_place.storage.list_names(storage_place.root) == []
 
 
 @pytest.mark.parametrize("data", [b"", PATTERN], ids=["empty", "10kB"])
@@ -367,3 +395,17 @@ def test_publish_directory_commits_in_one_step(storage_place: StoragePlace):
         assert storage.read_bytes(storage.join(final, "a.bin")) == b"a"
         with pytest.raises(ConfigError):
             storage.publish_directory(storage_place.path("elsewhere"), final)
+
+
+# ---- access ----------------------------------------------------------------------------------
+
+
+def test_check_access_of_a_missing_bucket_names_it(storage_place: StoragePlace):
+    if storage_place.backend in ("local", "memory"):
+        pytest.skip("local files and memory:// have no buckets (check_access creates the root)")
+    scheme = storage_place.root.split("://", 1)[0]
+    url = f"{scheme}://no-such-bucket-{storage_place.root.rsplit('/', 1)[-1]}/run"
+    with pytest.raises(StorageError, match="bucket") as info:
+        storage_for(url, storage_place.options).check_access(url)
+    assert info.value.errno == errno.ENOENT
+    assert "no-such-bucket" in str(info.value)
