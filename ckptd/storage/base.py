@@ -319,9 +319,9 @@ class Storage(ObjectWriter, RangeReading, Publishing, Listing, Deleting, Protoco
     ``check_access(root)`` is called once by the coordinator before any staging work and raises
     :class:`~ckptd.errors.StorageError` naming the root and the cause (missing bucket, denied).
 
-    Save, in order: ``check_access`` → ``ObjectWriter`` steps 1-4 → ``Publishing`` steps 2-3;
-    on failure ``Deleting.discard(directory)``.  Load: the ``RangeReading`` steps, after
-    ``Listing`` found the checkpoint.
+    Save, in order: ``check_access`` → ``Publishing`` step 1 (object stores) → ``ObjectWriter``
+    steps 1-4 → ``Publishing`` steps 2-3; on failure ``Deleting.discard(directory)``.
+    Load: the ``RangeReading`` steps, after ``Listing`` found the checkpoint.
     """
 
     local: bool
