@@ -15,6 +15,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DistributedSaveError",
     "KeyMismatchError",
+    "MissingFileError",
     "ReferencedCheckpointError",
     "ShardingError",
     "StorageError",
@@ -77,6 +78,10 @@ class DistributedSaveError(CkptdError, RuntimeError):
 
 class StorageError(CkptdError, OSError):
     """Reading or writing the storage backend failed (full disk, permission, network...)."""
+
+
+class MissingFileError(StorageError, FileNotFoundError):
+    """A file or object that storage was asked to read does not exist (``errno`` is ENOENT)."""
 
 
 class WriterError(CkptdError, RuntimeError):

@@ -264,3 +264,57 @@ def gcs_endpoint(tmp_path_factory: Any) -> Iterator[str]:
         process.kill()
         process.wait()
         log.close()
+
+
+# ---- every storage backend, for the conformance suite -----------------------------------------
+
+
+class StoragePlace:
+    """One backend and a fresh, empty root on it."""
+
+    def __init__(self, backend: str, root: str, options: dict[str, Any]) -> None:
+        from ckptd.storage import storage_for
+
+        self.backend = backend
+        self.root = root
+        self.options = options
+        self.storage = storage_for(root, options)
+
+    def path(self, *parts: str) -> str:
+        """A path under the root, joined the backend's way."""
+        return self.storage.join(self.root, *parts)
+
+
+STORAGE_BACKENDS = [
+    "local",
+    "memory",
+    pytest.param("s3", marks=pytest.mark.objectstore),
+    pytest.param("gcs", marks=pytest.mark.objectstore),
+]
+
+
+@pytest.fixture(params=STORAGE_BACKENDS)
+def storage_place(request: Any, tmp_path: Any) -> Iterator[StoragePlace]:
+    """A fresh root on each backend in turn: a temporary directory, ``memory://``, a new bucket on
+    the loopback S3 server, a new prefix on the loopback GCS emulator."""
+    backend = request.param
+    unique = uuid.uuid4().hex[:12]
+    options: dict[str, Any] = {}
+    if backend == "local":
+        root = str(tmp_path / "store")
+    elif backend == "memory":
+        root = f"memory://ckptd-conformance/{unique}"
+    elif backend == "s3":
+        pytest.importorskip("s3fs")
+        bucket: S3Place = request.getfixturevalue("s3")
+        root, options = bucket.url(unique), bucket.options()
+    else:
+        endpoint = request.getfixturevalue("gcs_endpoint")
+        root, options = f"gs://ckptd/{unique}", {"endpoint_url": endpoint, "token": "anon", "project": "test"}
+    place = StoragePlace(backend, root, options)
+    place.storage.makedirs(root)
+    try:
+        yield place
+    finally:
+        if backend in ("memory", "gcs"):  # shared by the whole session: leave nothing behind
+            place.storage.remove_tree(root)

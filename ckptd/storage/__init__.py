@@ -1,6 +1,9 @@
 """The storage seam: local POSIX paths directly, everything else through fsspec.
 
-:func:`storage_for` picks the backend from a path or URL.  This package imports nothing heavy
+The contract is :class:`Storage`, the union of :class:`ObjectWriter`, :class:`RangeReading`,
+:class:`Publishing`, :class:`Listing` and :class:`Deleting` (each says its call order); every
+backend passes ``tests/storage/test_conformance.py``.  :func:`storage_for` picks the backend from
+a path or URL.  This package imports nothing heavy
 (fsspec and its plugins only when a URL needs them): the writer process uses it too.
 """
 
@@ -9,7 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from .base import (
+    Deleting,
+    Listing,
+    ObjectWriter,
+    Publishing,
     RangeReader,
+    RangeReading,
     Stopped,
     Storage,
     StorageTuning,
@@ -17,6 +25,7 @@ from .base import (
     check_file_name,
     is_local,
     local_path,
+    missing_file,
     normalize_location,
     read_chunks,
     storage_error,
@@ -24,8 +33,13 @@ from .base import (
 from .local import LocalStorage
 
 __all__ = [
+    "Deleting",
+    "Listing",
     "LocalStorage",
+    "ObjectWriter",
+    "Publishing",
     "RangeReader",
+    "RangeReading",
     "Stopped",
     "Storage",
     "StorageTuning",
@@ -34,6 +48,7 @@ __all__ = [
     "in_process_only",
     "is_local",
     "local_path",
+    "missing_file",
     "normalize_location",
     "read_chunks",
     "storage_error",

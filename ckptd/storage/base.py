@@ -9,9 +9,9 @@ import errno as errno_codes
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-from ..errors import StorageError, UnsafeCheckpointError
+from ..errors import MissingFileError, StorageError, UnsafeCheckpointError
 
 __all__ = [
     "DEFAULT_PART_CONCURRENCY",
@@ -19,13 +19,22 @@ __all__ = [
     "DEFAULT_RETRY_ATTEMPTS",
     "MAX_PARTS",
     "MIN_PART_SIZE",
+    "Deleting",
+    "Listing",
+    "ObjectWriter",
+    "Publishing",
     "RangeReader",
+    "RangeReading",
+    "Stopped",
     "Storage",
     "StorageTuning",
+    "base_name",
     "check_file_name",
-    "read_chunks",
     "is_local",
     "local_path",
+    "missing_file",
+    "normalize_location",
+    "read_chunks",
     "storage_error",
 ]
 
@@ -95,7 +104,14 @@ def check_file_name(name: str, where: str) -> str:
 
 
 def storage_error(action: str, path: str, error: BaseException, code: int | None = None) -> StorageError:
-    """A :class:`StorageError` naming the action, the path and the cause."""
+    """A :class:`StorageError` naming the action, the path and the cause.
+
+    A missing file or object (a ``FileNotFoundError`` cause, or ``code`` ENOENT) gives a
+    :class:`MissingFileError`, so every backend reports it the same way.
+    """
+    missing = code == errno_codes.ENOENT or (code is None and isinstance(error, FileNotFoundError))
+    if missing:
+        return missing_file(action, path)
     number = code if code is not None else getattr(error, "errno", None) or errno_codes.EIO
     reason = (
         os.strerror(error.errno) if isinstance(error, OSError) and error.errno else str(error) or type(error).__name__
@@ -105,18 +121,39 @@ def storage_error(action: str, path: str, error: BaseException, code: int | None
     return result
 
 
+def missing_file(action: str, path: str) -> MissingFileError:
+    """The :class:`MissingFileError` every backend raises when ``path`` does not exist."""
+    what = "no such object" if "://" in path and not path.startswith("file://") else "no such file or directory"
+    result = MissingFileError(errno_codes.ENOENT, f"cannot {action} {path}: {what}")
+    result.filename = path
+    return result
+
+
 class RangeReader(Protocol):
-    """An open file that serves byte ranges."""
+    """An open file that serves byte ranges (what :meth:`RangeReading.open_reader` returns).
+
+    ``size`` is the file's length when it was opened.  Reads are absolute (no cursor), so one
+    reader may serve several threads.  A range past ``size`` raises :class:`StorageError`
+    (``EIO``); a zero-length range reads nothing and succeeds.
+    """
 
     size: int
 
-    def read_into(self, offset: int, buffer: memoryview) -> None: ...
+    def read_into(self, offset: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the bytes at ``offset``."""
+        ...
 
-    def read_many(self, requests: Sequence[tuple[int, memoryview]]) -> None: ...
+    def read_many(self, requests: Sequence[tuple[int, memoryview]]) -> None:
+        """Fill every ``(offset, buffer)``; backends may merge neighbouring ranges into one read."""
+        ...
 
-    def read(self, offset: int, length: int) -> bytes: ...
+    def read(self, offset: int, length: int) -> bytes:
+        """The ``length`` bytes at ``offset``."""
+        ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the file; reads after this are undefined."""
+        ...
 
 
 def read_chunks(reader: RangeReader, size: int, chunk_size: int = 16 * 1024 * 1024) -> Iterator[memoryview]:
@@ -129,29 +166,34 @@ def read_chunks(reader: RangeReader, size: int, chunk_size: int = 16 * 1024 * 10
         yield chunk
 
 
-class Storage(Protocol):
-    """Operations ckptd needs from a store.  Paths are full paths or URLs built with ``join``.
+@runtime_checkable
+class ObjectWriter(Protocol):
+    """Writing files.  Paths are full paths or URLs built with :meth:`Storage.join`.
 
-    Save-side call order (the writer and the commit use it so):
-    1. ``check_access(root)`` once, before any staging work.
-    2. ``makedirs`` / ``write_view`` for every shard (writer process), then ``write_bytes`` for
-       indexes and state (commit), then ``write_bytes(manifest, create_only=...)`` last.
-    3. ``publish_directory`` (local rename; a no-op on object stores).
-    4. On failure, ``discard(directory)`` removes whatever was written (and, on object stores,
-       aborts unfinished multipart uploads).
+    Call order in a save (who calls each step):
+
+    1. ``makedirs(directory)``: the coordinator, before anything is written into a checkpoint
+       directory (the staging directory on local disk).  A no-op where directories do not exist.
+    2. ``write_view(path, view, ...)``: the writer process (or the in-process writer for
+       ``memory://``) of every rank, once per shard file it owns whole, streamed from the staging
+       arena.  It polls ``should_stop()`` between chunks: when it turns true the partial file is
+       removed and :class:`Stopped` is raised.  On any failure no partial file is left behind.
+    3. ``write_at(path, offset, view, ...)``: the writer process of every rank whose tensors
+       share one file with other ranks, each at its own offset (no truncation).  Only where
+       ``supports_write_at`` is true; elsewhere it raises :class:`~ckptd.errors.ConfigError`,
+       and planners must give every file a single writer (``write_view``).
+    4. ``write_bytes(path, data)``: the coordinator, for indexes and the state file; then
+       ``write_bytes(manifest, create_only=...)`` last (see :class:`Publishing`).  With
+       ``create_only`` the write is refused with :class:`~ckptd.errors.CheckpointExistsError`
+       when ``path`` already exists, atomically where the store can.
+    5. ``write_stream(path, pieces)``: tools and the functional API, for a file produced piece by
+       piece (consolidation, HF shards); the file appears whole or not at all.  Returns the bytes
+       written.
+
+    Failures are :class:`~ckptd.errors.StorageError` naming the path.
     """
 
-    local: bool
-
-    def join(self, *parts: str) -> str: ...
-
-    def check_access(self, path: str) -> None: ...
-
-    def exists(self, path: str) -> bool: ...
-
-    def list_names(self, path: str) -> list[str]: ...
-
-    def sizes(self, path: str) -> dict[str, int]: ...
+    supports_write_at: bool
 
     def makedirs(self, path: str) -> None: ...
 
@@ -166,15 +208,100 @@ class Storage(Protocol):
         on_progress: Callable[[int], None],
     ) -> None: ...
 
-    def open_reader(self, path: str) -> RangeReader: ...
+    def write_at(
+        self,
+        path: str,
+        offset: int,
+        view: memoryview,
+        *,
+        fsync: bool,
+        chunk_size: int,
+        should_stop: Callable[[], bool],
+        on_progress: Callable[[int], None],
+    ) -> None: ...
 
     def write_bytes(self, path: str, data: bytes, *, fsync: bool = True, create_only: bool = False) -> None: ...
 
     def write_stream(self, path: str, pieces: Iterable[memoryview]) -> int: ...
 
+
+@runtime_checkable
+class RangeReading(Protocol):
+    """Reading files, whole or by byte range.
+
+    Call order in a load (every rank calls these for what it needs):
+
+    1. ``read_bytes(manifest)`` then ``read_bytes`` of the state file and indexes: small files,
+       whole.
+    2. ``sizes(directory)``: once per checkpoint directory, to check every file's length against
+       the manifest before reading it.
+    3. ``open_reader(path)`` per shard file, then ``read_many`` / ``read_into`` for the byte
+       ranges of the tensors wanted, then ``close()``.
+    ``size(path)`` answers for one file.
+
+    A missing file raises :class:`~ckptd.errors.MissingFileError` (a ``FileNotFoundError``)
+    from ``read_bytes``, ``size`` and ``open_reader`` alike; other failures are
+    :class:`~ckptd.errors.StorageError`.  ``sizes`` of a missing directory is empty.
+    """
+
+    def open_reader(self, path: str) -> RangeReader: ...
+
     def read_bytes(self, path: str) -> bytes: ...
 
     def size(self, path: str) -> int: ...
+
+    def sizes(self, path: str) -> dict[str, int]: ...
+
+
+@runtime_checkable
+class Publishing(Protocol):
+    """Making a written checkpoint visible, whole or not at all.
+
+    Call order (the coordinator only, after every rank's files are written):
+
+    1. Object stores (``local`` false), before any shard is written: a create-only claim object
+       in the final directory (``ObjectWriter.write_bytes(..., create_only=True)``), so a second
+       writer of the same step fails before it writes a byte.
+    2. ``write_bytes(manifest, create_only=...)``: the manifest is written last.  On object
+       stores this is the commit point: a prefix without a manifest is not a checkpoint.
+    3. ``publish_directory(staging, final)``: on local disk, fsync the staging directory, rename
+       it to ``final`` and fsync the parent (the commit point), refusing with
+       :class:`~ckptd.errors.CheckpointExistsError` if ``final`` exists.  Object stores write in
+       place: ``staging`` must equal ``final`` and nothing happens, else
+       :class:`~ckptd.errors.ConfigError`.
+    """
+
+    def publish_directory(self, staging: str, final: str) -> None: ...
+
+
+@runtime_checkable
+class Listing(Protocol):
+    """Finding what exists.
+
+    Called by the catalog (listing checkpoints: ``list_names(root)``, then a manifest read per
+    ``checkpoint-<step>`` name), the loader (``exists`` for a path given by the user) and the
+    garbage collector.  ``list_names`` returns the sorted names directly under a directory or
+    prefix (files and subdirectories alike), fresh from the store (never from a listing cache);
+    a missing directory, or a path that is a file, lists as empty.
+    """
+
+    def exists(self, path: str) -> bool: ...
+
+    def list_names(self, path: str) -> list[str]: ...
+
+
+@runtime_checkable
+class Deleting(Protocol):
+    """Removing files.  Removing what is already gone succeeds (every call is idempotent).
+
+    1. ``remove(path)``: one file (retention removes a checkpoint's manifest first, so it stops
+       being a checkpoint at once).
+    2. ``remove_tree(path)``: a directory or prefix and everything in it (retention, garbage
+       collection, a replaced checkpoint).
+    3. ``discard(path)``: after a failed save, by the coordinator's clean-up (retried in the
+       background while the store is unreachable) or the writer process: what ``remove_tree``
+       does, and on object stores also aborts unfinished multipart uploads under ``path``.
+    """
 
     def remove(self, path: str) -> None: ...
 
@@ -182,7 +309,26 @@ class Storage(Protocol):
 
     def discard(self, path: str) -> None: ...
 
-    def publish_directory(self, staging: str, final: str) -> None: ...
+
+@runtime_checkable
+class Storage(ObjectWriter, RangeReading, Publishing, Listing, Deleting, Protocol):
+    """Everything ckptd needs from a store: the union of the five protocols above, plus naming.
+
+    ``local`` is true for POSIX files (staging directory renamed into place) and false for object
+    stores (written in place, committed by a create-only manifest).  ``join`` builds paths;
+    ``check_access(root)`` is called once by the coordinator before any staging work and raises
+    :class:`~ckptd.errors.StorageError` naming the root and the cause (missing bucket, denied).
+
+    Save, in order: ``check_access`` → ``Publishing`` step 1 (object stores) → ``ObjectWriter``
+    steps 1-4 → ``Publishing`` steps 2-3; on failure ``Deleting.discard(directory)``.
+    Load: the ``RangeReading`` steps, after ``Listing`` found the checkpoint.
+    """
+
+    local: bool
+
+    def join(self, *parts: str) -> str: ...
+
+    def check_access(self, path: str) -> None: ...
 
 
 class Stopped(Exception):

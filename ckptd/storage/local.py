@@ -76,9 +76,11 @@ _DIRECT_ALIGNMENT = 4096
 
 
 class LocalStorage:
-    """Local files (plain paths and ``file://``)."""
+    """Local files (plain paths and ``file://``): :class:`~ckptd.storage.Storage` with
+    ``write_at`` (several ranks write one file at their offsets with ``pwrite``)."""
 
     local = True
+    supports_write_at = True
 
     def __init__(self, tuning: StorageTuning | None = None) -> None:
         self.tuning = tuning or StorageTuning()
@@ -245,16 +247,12 @@ class LocalStorage:
         try:
             with open(path, "rb") as f:
                 return f.read()
-        except FileNotFoundError:
-            raise
         except OSError as e:
             raise storage_error("read", path, e) from e
 
     def size(self, path: str) -> int:
         try:
             return os.stat(path).st_size
-        except FileNotFoundError:
-            raise
         except OSError as e:
             raise storage_error("stat", path, e) from e
 

@@ -55,6 +55,20 @@ def scatter(groups: list[tuple[int, int, list[tuple[int, memoryview]]]], blobs: 
             target[:] = view[offset - start : offset - start + len(target)]
 
 
+def _abandon(file: Any) -> None:
+    """Cancel an unfinished upload: closing the file would upload what it buffered and finish it.
+
+    fsspec's buffered files (s3fs, gcsfs) can ``discard()`` their upload and are then marked
+    closed so that leaving the ``with`` block uploads nothing; other files (``memory://``) are
+    closed as usual and the caller removes what they wrote.
+    """
+    from fsspec.spec import AbstractBufferedFile
+
+    if isinstance(file, AbstractBufferedFile):
+        file.discard()
+        file.closed = True
+
+
 class _Reader:
     def __init__(self, storage: FsspecStorage, path: str) -> None:
         self.storage = storage
@@ -65,8 +79,10 @@ class _Reader:
         self.read_many([(offset, buffer)])
 
     def read_many(self, requests: Sequence[tuple[int, memoryview]]) -> None:
+        # Measure and fill in bytes: a typed view (a tensor's buffer) has fewer items than bytes.
+        requests = [(offset, buffer.cast("B") if buffer.format != "B" else buffer) for offset, buffer in requests]
         for offset, buffer in requests:
-            if offset + len(buffer.cast("B") if buffer.format != "B" else buffer) > self.size:
+            if offset + len(buffer) > self.size:
                 raise StorageError(errno_codes.EIO, f"unexpected end of file in {self.path} at byte {self.size}")
         groups = coalesce(requests)
         if groups:
@@ -82,10 +98,12 @@ class _Reader:
 
 
 class FsspecStorage:
-    """Any fsspec filesystem.  Writes stream through ``fs.open(path, "wb")``; reads fetch byte
-    ranges (concurrently on async filesystems); listing always bypasses fsspec's listing cache."""
+    """Any fsspec filesystem: :class:`~ckptd.storage.Storage` without ``write_at`` (an object
+    has one writer).  Writes stream through ``fs.open(path, "wb")``; reads fetch byte ranges
+    (concurrently on async filesystems); listing always bypasses fsspec's listing cache."""
 
     local = False
+    supports_write_at = False
 
     def __init__(
         self, url: str, storage_options: dict[str, Any] | None = None, tuning: StorageTuning | None = None
@@ -130,14 +148,18 @@ class FsspecStorage:
             raise storage_error("check", path, e) from e
 
     def _ls(self, path: str) -> list[dict[str, Any]]:
+        target = self._strip(path).rstrip("/")
         try:
-            return list(self.fs.ls(self._strip(path), detail=True, refresh=True))
-        except TypeError:  # a filesystem without the refresh flag
-            return list(self.fs.ls(self._strip(path), detail=True))
+            try:
+                entries = list(self.fs.ls(target, detail=True, refresh=True))
+            except TypeError:  # a filesystem without the refresh flag
+                entries = list(self.fs.ls(target, detail=True))
         except FileNotFoundError:
             return []
         except OSError as e:
             raise storage_error("list", path, e) from e
+        # Listing a file gives the file itself: like a local file, it has nothing under it.
+        return [e for e in entries if self._strip(str(e["name"])).rstrip("/") != target]
 
     def list_names(self, path: str) -> list[str]:
         return sorted({str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in self._ls(path)})
@@ -166,21 +188,39 @@ class FsspecStorage:
         target = self._strip(path)
         try:
             with self.fs.open(target, "wb", block_size=max(chunk_size, self.tuning.part_size)) as f:
-                for start in range(0, len(view), chunk_size):
-                    if should_stop():
-                        discard = getattr(f, "discard", None)
-                        if callable(discard):
-                            discard()
-                        raise Stopped(path)
-                    chunk = view[start : start + chunk_size]
-                    f.write(bytes(chunk))
-                    on_progress(len(chunk))
-        except Stopped:
-            self._forget(target)
-            raise
+                try:
+                    for start in range(0, len(view), chunk_size):
+                        if should_stop():
+                            raise Stopped(path)
+                        chunk = view[start : start + chunk_size]
+                        f.write(bytes(chunk))
+                        on_progress(len(chunk))
+                except BaseException:
+                    _abandon(f)
+                    raise
         except OSError as e:
             self._forget(target)
             raise storage_error("write", path, e) from e
+        except BaseException:  # Stopped, or a failing callback: no partial object stays
+            self._forget(target)
+            raise
+
+    def write_at(
+        self,
+        path: str,
+        offset: int,
+        view: memoryview,
+        *,
+        fsync: bool,
+        chunk_size: int,
+        should_stop: Callable[[], bool],
+        on_progress: Callable[[int], None],
+    ) -> None:
+        """Refused: an object is written whole by one writer (``supports_write_at`` is false)."""
+        raise ConfigError(
+            f"{path}: {self.protocol}:// storage cannot write one file from several ranks at offsets; "
+            "plan one writer per file (shared files need local storage)"
+        )
 
     def write_stream(self, path: str, pieces: Iterable[memoryview]) -> int:
         """Stream ``pieces`` into one object (multipart as the filesystem sees fit)."""
@@ -188,12 +228,19 @@ class FsspecStorage:
         total = 0
         try:
             with self.fs.open(target, "wb", block_size=self.tuning.part_size) as f:
-                for piece in pieces:
-                    f.write(bytes(piece))
-                    total += len(piece)
+                try:
+                    for piece in pieces:
+                        f.write(bytes(piece))
+                        total += len(piece)
+                except BaseException:
+                    _abandon(f)
+                    raise
         except OSError as e:
             self._forget(target)
             raise storage_error("write", path, e) from e
+        except BaseException:  # the producer of the pieces failed: no partial object stays
+            self._forget(target)
+            raise
         return total
 
     def _forget(self, target: str) -> None:
@@ -210,10 +257,11 @@ class FsspecStorage:
         target = self._strip(path)
         try:
             out = self.fs.cat_ranges([target] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges])
-        except FileNotFoundError:
-            raise
         except OSError as e:
             raise storage_error("read", path, e) from e
+        for blob in out:  # fsspec returns a failed range's exception in its place
+            if isinstance(blob, BaseException):
+                raise storage_error("read", path, blob) from blob
         return [bytes(blob) for blob in out]
 
     def write_bytes(self, path: str, data: bytes, *, fsync: bool = True, create_only: bool = False) -> None:
@@ -243,16 +291,12 @@ class FsspecStorage:
     def read_bytes(self, path: str) -> bytes:
         try:
             return bytes(self.fs.cat_file(self._strip(path)))
-        except FileNotFoundError:
-            raise
         except OSError as e:
             raise storage_error("read", path, e) from e
 
     def size(self, path: str) -> int:
         try:
             return int(self.fs.size(self._strip(path)))
-        except FileNotFoundError:
-            raise
         except OSError as e:
             raise storage_error("stat", path, e) from e
 

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from ..errors import CheckpointExistsError, StorageError
-from .base import Stopped, StorageTuning
+from .base import Stopped, StorageTuning, missing_file
 from .remote import FsspecStorage
 from .retry import error_code, http_status, is_transient, retry_async
 
@@ -43,9 +43,7 @@ def s3_error(action: str, url: str, error: BaseException, attempts: int | None =
     elif code == "NoSuchBucket" or (status == 404 and action in ("access",)):
         result = StorageError(errno_codes.ENOENT, f"cannot {action} {url}: the bucket does not exist")
     elif status == 404 or code in ("NoSuchKey", "NotFound"):
-        missing = FileNotFoundError(errno_codes.ENOENT, f"cannot {action} {url}: no such object")
-        missing.filename = url
-        return missing
+        return missing_file(action, url)
     else:
         tried = f" after {attempts} attempts" if attempts and is_transient(error) else ""
         cause = f"{code} (HTTP {status})" if code or status else f"{type(error).__name__}: {error}"
@@ -123,7 +121,13 @@ class S3Storage(FsspecStorage):
         should_stop: Callable[[], bool],
         on_progress: Callable[[int], None],
     ) -> None:
-        self._run(self._upload, path, view, should_stop, on_progress)
+        try:
+            self._run(self._upload, path, view, should_stop, on_progress)
+        except (Stopped, StorageError):
+            raise  # nothing was committed: the upload was aborted or never finished
+        except BaseException:
+            self._forget(self._strip(path))  # a callback failed after a single-request upload
+            raise
 
     async def _upload(
         self, path: str, view: memoryview, should_stop: Callable[[], bool], on_progress: Callable[[int], None]

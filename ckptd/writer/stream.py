@@ -79,10 +79,9 @@ def _write_file(
                 on_progress=on_progress,
             )
         else:
-            write_at = getattr(storage, "write_at", None)
-            if write_at is None:
-                raise ValueError(f"{path}: this storage cannot write one file from several ranks")
-            write_at(
+            # A file shared by several ranks: backends without ``supports_write_at`` refuse it
+            # with a ConfigError naming the file (the storage contract, ObjectWriter step 3).
+            storage.write_at(
                 path,
                 spec.file_offset,
                 data,
