@@ -72,7 +72,10 @@ class SaveJob:
 
 
 class Saver:
-    """The save machinery of one :class:`~ckptd.Checkpointer`."""
+    """The save machinery of one :class:`~ckptd.Checkpointer`: it owns the staging thread and
+    the plan cache, and runs each save through its :class:`~ckptd.save.describe.Describer`
+    (what this rank holds), :class:`~ckptd.save.incremental.IncrementalPolicy` (what is reused)
+    and :class:`~ckptd.save.coordinate.Coordinator` (who commits)."""
 
     def __init__(
         self,
