@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError, DistributedSaveError
 
-__all__ = ["DistContext", "Sharing", "normalize_sharing"]
+__all__ = ["DistContext", "Sharing", "group_leader", "normalize_sharing", "rank_failure"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,12 @@ def normalize_sharing(value: Any) -> tuple[str, Any]:
     if pattern == Sharing.PER_GROUP and group is None:
         raise ConfigError("per_group sharing needs a process group: pass (Sharing.PER_GROUP, group)")
     return pattern, group
+
+
+def group_leader(group: Any) -> int:
+    """The lowest global rank of ``group``: it names a ``PER_GROUP`` component's copy
+    (``name@group<leader>``), the same on every rank of the group."""
+    return min(dist.get_process_group_ranks(group))
 
 
 @dataclass

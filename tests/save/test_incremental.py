@@ -127,7 +127,7 @@ def test_overwriting_an_incremental_step_keeps_it_loadable_and_referenced_steps_
         ckpt.save(100, {"model": model}, overwrite=True)  # must not reference itself
         assert_same(model.state_dict(), ckpt.load(100, verify=True)["model"])
         ckpt.save(200, {"model": model})  # references 100's frozen files
-        with pytest.raises(ckptd.errors.CheckpointExistsError, match="reference"):
+        with pytest.raises(ckptd.errors.ReferencedCheckpointError, match="reference"):
             ckpt.save(100, {"model": model}, overwrite=True)
         assert_same(model.state_dict(), ckpt.load(200, verify=True)["model"])
 

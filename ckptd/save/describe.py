@@ -1,0 +1,162 @@
+"""What each rank contributes to a save's plan, and the one collective that gathers it.
+
+A rank flattens its state into components (named per rank or per group where the sharing
+pattern asks for it), describes every tensor it holds as a :class:`~ckptd.save.plan.LocalTensor`,
+and sends that :class:`Payload` to every rank with one ``all_gather_object``.  A rank that cannot
+describe its state sends its error in the same collective, so every rank raises instead of
+hanging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import secrets
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..catalog import staging_dir_name
+from ..dist.group import DistContext, Sharing, group_leader, normalize_sharing, rank_failure
+from ..errors import CheckpointExistsError, ConfigError
+from ..formats.safetensors import dtype_name
+from ..storage import Storage
+from .flatten import FlatComponent, flatten_component
+from .plan import LocalTensor
+
+__all__ = ["Describer", "Payload"]
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What one rank contributes to the plan (sent to every rank; picklable)."""
+
+    rank: int
+    locals: tuple[LocalTensor, ...] = ()
+    trees: dict[str, Any] = field(default_factory=dict)
+    tied: dict[str, list[list[str]]] = field(default_factory=dict)
+    sharing: dict[str, str] = field(default_factory=dict)
+    token: str = ""
+    staging: str = ""
+    last_committed: str | None = None  # the save an incremental save may reuse files of
+    error: tuple[str, str] | None = None  # (exception type name, message)
+
+
+class Describer:
+    """This rank's side of planning: flatten, describe, gather."""
+
+    def __init__(self, storage: Storage, root: str, dist: DistContext | None) -> None:
+        self.storage = storage
+        self.root = root
+        self.dist = dist
+        self.rank = dist.rank if dist else 0
+        self._patterns: dict[str, str] = {}  # stored component name -> sharing pattern
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.dist is None or self.dist.is_coordinator
+
+    def flatten(
+        self,
+        state: Mapping[str, Any],
+        sharing: Mapping[str, Any],
+        allow_pickle: bool,
+        frozen: Mapping[str, Iterable[str]] | None = None,
+    ) -> list[FlatComponent]:
+        """The components this rank stores (``GLOBAL`` ones on the coordinator only), with the
+        tensors ``frozen`` names (glob patterns per component) marked frozen."""
+        if not isinstance(state, Mapping) or not state:
+            raise ConfigError("state must be a non-empty mapping of component names to state")
+        unknown = set(sharing) - set(state)
+        if unknown:
+            raise ConfigError(f"sharing names components that are not in the state: {sorted(unknown)}")
+        flats = []
+        for name, value in state.items():
+            pattern, group = normalize_sharing(sharing.get(name, Sharing.REPLICATED))
+            if pattern == Sharing.GLOBAL and not self.is_coordinator:
+                continue
+            flat = flatten_component(name, value, allow_pickle=allow_pickle)
+            patterns = list((frozen or {}).get(name, ()))
+            if patterns:
+                declared = {k for k in flat.tensors if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
+                flat = dataclasses.replace(flat, frozen=flat.frozen | declared)
+            if pattern == Sharing.PER_RANK and self.dist is not None:
+                flat = dataclasses.replace(flat, name=f"{name}@rank{self.rank}")
+            elif pattern == Sharing.PER_GROUP and self.dist is not None:
+                flat = dataclasses.replace(flat, name=f"{name}@group{group_leader(group)}")
+            self._patterns[flat.name] = pattern
+            flats.append(flat)
+        return flats
+
+    def payload(self, flats: list[FlatComponent], step: int, last_committed: str | None) -> Payload:
+        """This rank's :class:`Payload` for ``flats``; the coordinator's also carries the save's
+        token and (local stores) its staging directory."""
+        locals_: list[LocalTensor] = []
+        trees: dict[str, Any] = {}
+        tied: dict[str, list[list[str]]] = {}
+        sharing: dict[str, str] = {}
+        for flat in flats:
+            locals_.extend(_describe(flat))
+            qualified = "@" in flat.name
+            if self.is_coordinator or qualified:
+                trees[flat.name] = flat.tree
+                tied[flat.name] = flat.tied
+                sharing[flat.name] = self._patterns.get(flat.name, Sharing.REPLICATED)
+        token = secrets.token_hex(8) if self.is_coordinator else ""
+        staging = ""
+        if self.is_coordinator and self.storage.local:
+            staging = self.storage.join(self.root, staging_dir_name(step))
+        return Payload(self.rank, tuple(locals_), trees, tied, sharing, token, staging, last_committed)
+
+    def gather(self, describe: Callable[[], Payload]) -> tuple[Payload, ...]:
+        """Every rank's description (the one collective of a save).  A rank that cannot describe
+        its state says so in the same collective, so every rank raises instead of hanging."""
+        own_error: BaseException | None = None
+        try:
+            payload = describe()
+        except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here below
+            own_error = e
+            payload = Payload(self.rank, error=(type(e).__name__, str(e)))
+        payloads = tuple(self.dist.all_gather(payload) if self.dist else [payload])
+        if own_error is not None:
+            raise own_error
+        errors = _error_of(payloads)
+        if errors:
+            raise _planning_failure(errors)
+        return payloads
+
+
+def _describe(flat: FlatComponent) -> list[LocalTensor]:
+    out = []
+    for key, tensor in flat.tensors.items():
+        dtype = dtype_name(tensor.dtype, f"{flat.name}.{key}")
+        placement = flat.placements.get(key)
+        if placement is None:
+            shape = tuple(tensor.shape)
+            out.append(LocalTensor(flat.name, key, dtype, shape, (0,) * len(shape), shape, frozen=key in flat.frozen))
+        else:
+            out.append(
+                LocalTensor(
+                    flat.name,
+                    key,
+                    dtype,
+                    placement.global_shape,
+                    placement.offset,
+                    tuple(tensor.shape),
+                    sharded=True,
+                    main=placement.main,
+                )
+            )
+    return out
+
+
+def _error_of(payloads: Sequence[Payload]) -> dict[int, tuple[str, str]]:
+    return {p.rank: p.error for p in payloads if p.error is not None}
+
+
+def _planning_failure(errors: dict[int, tuple[str, str]]) -> Exception:
+    if len({kind for kind, _ in errors.values()}) == 1:
+        kind, message = next(iter(errors.values()))
+        if kind == "CheckpointExistsError":
+            return CheckpointExistsError(message)
+    return rank_failure({r: f"{kind}: {message}" for r, (kind, message) in errors.items()}, "planning the save")
