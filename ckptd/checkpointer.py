@@ -27,7 +27,7 @@ from .catalog import (
     list_checkpoints,
     read_manifest,
 )
-from .dist.group import DistContext, Sharing, normalize_sharing
+from .dist.group import DistContext, Sharing, group_leader, normalize_sharing
 from .errors import CheckpointNotFoundError, CkptdError, ConfigError
 from .formats.manifest import Manifest
 from .load.assign import read_components, resolve_component, restore_components
@@ -433,9 +433,7 @@ def _group_leaders(sharing: Mapping[str, Any] | None) -> dict[str, int]:
     for name, value in (sharing or {}).items():
         pattern, group = normalize_sharing(value)
         if pattern == Sharing.PER_GROUP:
-            import torch.distributed as torch_dist
-
-            leaders[name] = min(torch_dist.get_process_group_ranks(group))
+            leaders[name] = group_leader(group)
     return leaders
 
 
