@@ -189,3 +189,13 @@ def test_async_save_to_a_chosen_path(root, tmp_path):
             ckpt.async_save(9, small_state(9.0), path="memory://elsewhere/x")
         with pytest.raises(ConfigError, match="root itself"):
             ckpt.async_save(9, small_state(9.0), path=root)
+
+
+def test_same_sizes_but_renamed_keys_are_staged_under_their_new_names(root):
+    """Regression: the staging arena was reused when only tensor names changed (same sizes), and
+    staged the old names (Lightning's ModelCheckpoint keys its best_k_models tensors by path)."""
+    with ckptd.Checkpointer(root) as ckpt:
+        ckpt.save(1, {"cb": {"best": {"epoch=0-step=5.ckpt": torch.tensor(1.0)}}})
+        ckpt.save(2, {"cb": {"best": {"epoch=2-step=9.ckpt": torch.tensor(2.0)}}})
+        loaded = ckpt.load(2)
+        assert_same(loaded["cb"], {"best": {"epoch=2-step=9.ckpt": torch.tensor(2.0)}})
