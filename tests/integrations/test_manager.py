@@ -199,3 +199,25 @@ def test_same_sizes_but_renamed_keys_are_staged_under_their_new_names(root):
         ckpt.save(2, {"cb": {"best": {"epoch=2-step=9.ckpt": torch.tensor(2.0)}}})
         loaded = ckpt.load(2)
         assert_same(loaded["cb"], {"best": {"epoch=2-step=9.ckpt": torch.tensor(2.0)}})
+
+
+def manager_on_ranks(rank: int, world: int, root: str) -> dict[str, object]:
+    decisions = []
+    with CheckpointManager(root, CheckpointPolicy(every_steps=4, keep_last=1), dist_timeout=60) as manager:
+        for step in range(1, 7):
+            if rank == 1 and step == 2:
+                manager.request_save()  # one rank only: every rank must still save together
+            request = manager.maybe_save(step, {"model": {"w": torch.full((4,), float(step))}})
+            decisions.append(step if request is not None else None)
+        manager.wait()
+        return {"decisions": decisions, "steps": manager.steps()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.distributed
+def test_ranks_agree_on_save_decisions(root):
+    from distributed import run_ranks
+
+    results = run_ranks(2, manager_on_ranks, root)
+    assert results[0]["decisions"] == results[1]["decisions"] == [None, 2, None, 4, None, None]
+    assert results[0]["steps"] == [4], "the coordinator applied keep_last=1 after step 4 committed"
