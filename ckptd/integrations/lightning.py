@@ -64,6 +64,8 @@ class CkptdCheckpointIO(CheckpointIO):
         self._options = {"no_dist": True, **checkpointer_options}
         self._checkpointers: dict[str, Checkpointer] = {}
         self._pending: dict[str, SaveRequest] = {}
+        self._generations: dict[str, int] = {}
+        self._removals: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     def _checkpointer(self, directory: str) -> Checkpointer:
@@ -100,6 +102,7 @@ class CkptdCheckpointIO(CheckpointIO):
             ) from e
         with self._lock:
             self._pending[location] = request
+            self._generations[location] = self._generations.get(location, 0) + 1
         request.add_done_callback(lambda done: self._forget(location, done))
 
     def _trainer_state(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -125,12 +128,14 @@ class CkptdCheckpointIO(CheckpointIO):
         """Wait until the save to ``path`` (or every pending save) committed; raises its failure."""
         with self._lock:
             if path is None:
-                requests = list(self._pending.values())
+                requests = list(self._pending.items())
             else:
-                found = self._pending.get(self._location(path))
-                requests = [found] if found is not None else []
-        for request in requests:
+                location = self._location(path)
+                found = self._pending.get(location)
+                requests = [(location, found)] if found is not None else []
+        for location, request in requests:
             request.result()
+            self._forget(location, request)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -156,12 +161,37 @@ class CkptdCheckpointIO(CheckpointIO):
         return {**trainer, "state_dict": loaded.get(_MODEL, {})}
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete a checkpoint (after its save, if still in flight, committed)."""
+        """Delete a checkpoint once every save started so far has committed (ModelCheckpoint
+        rotates right after starting the newer save): on a background thread, so training
+        goes on; a save to the same path started later cancels the deletion."""
         location = self._location(path)
+        with self._lock:
+            waiting = [r for r in self._pending.values() if not r.done()]
+            generation = self._generations.get(location, 0)
+        if not waiting:
+            self._remove_now(location)
+            return
+        thread = threading.Thread(
+            target=self._remove_after, args=(location, waiting, generation), name="ckptd-lightning-remove", daemon=True
+        )
+        with self._lock:
+            self._removals.append(thread)
+        thread.start()
+
+    def _remove_after(self, location: str, waiting: list[SaveRequest], generation: int) -> None:
+        for request in waiting:
+            if request.exception() is not None:
+                logger.warning("ckptd: a save failed before %s was to be removed; keeping it", location)
+                return
+        with self._lock:
+            if self._generations.get(location, 0) != generation:
+                return  # saved again since the removal was asked for
         try:
-            self.wait(location)
-        except Exception as e:  # noqa: BLE001 - a failed save leaves nothing to keep
-            logger.warning("ckptd: save to %s had failed before its removal: %s", location, e)
+            self._remove_now(location)
+        except Exception as e:  # noqa: BLE001 - a leftover checkpoint is not worth failing training
+            logger.error("ckptd: removing %s failed: %s", location, e)
+
+    def _remove_now(self, location: str) -> None:
         if os.path.isfile(location):
             os.remove(location)
             return
@@ -170,13 +200,21 @@ class CkptdCheckpointIO(CheckpointIO):
             remove_checkpoint(ckpt.storage, location)
 
     def teardown(self) -> None:
-        """Finish pending saves and close the Checkpointers (Lightning calls it at the end of fit)."""
-        with self._lock:
-            checkpointers = list(self._checkpointers.values())
-            self._checkpointers.clear()
-        for ckpt in checkpointers:
-            ckpt.close()
-        self._pending.clear()
+        """Finish pending saves and removals and close the Checkpointers (Lightning calls it at
+        the end of fit)."""
+        try:
+            self.wait()
+        finally:
+            with self._lock:
+                removals, self._removals = self._removals, []
+            for thread in removals:
+                thread.join()
+            with self._lock:
+                checkpointers = list(self._checkpointers.values())
+                self._checkpointers.clear()
+            for ckpt in checkpointers:
+                ckpt.close()
+            self._pending.clear()
 
 
 def _parent(location: str) -> str:

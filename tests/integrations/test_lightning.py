@@ -142,3 +142,22 @@ def test_sigkilled_run_resumes_to_the_same_weights(tmp_path):
     expected = torch.load(tmp_path / "straight.pt", weights_only=True)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
     assert_same(expected, resumed, "final weights")
+
+
+def test_removal_waits_for_the_newer_save(tmp_path):
+    from conftest import paused
+
+    io = CkptdCheckpointIO()
+    old, new = str(tmp_path / "c" / "epoch=0-step=5.ckpt"), str(tmp_path / "c" / "epoch=1-step=10.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 5}, old)
+    io.wait()
+    writer = io._checkpointers[str(tmp_path / "c")]
+    writer.health_check()
+    with paused(writer.writer_pid):
+        io.save_checkpoint({"state_dict": {"w": torch.full((3,), 2.0)}, "global_step": 10}, new)
+        io.remove_checkpoint(old)  # ModelCheckpoint rotates right after starting the newer save
+        assert os.path.isfile(os.path.join(old, "checkpoint_manifest.json")), "kept until the newer one commits"
+    io.teardown()
+    assert not os.path.exists(old)
+    assert torch.equal(io.load_checkpoint(new)["state_dict"]["w"], torch.full((3,), 2.0))
+    io.teardown()
