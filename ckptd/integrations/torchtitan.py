@@ -12,7 +12,8 @@ pieces written by their owners and resharded on load) instead of DCP's ``step-N/
 staging arena (``staging="blocking"``); ``"async_with_pinned_mem"`` also overlaps the copy with the
 next forward/backward (``staging="background"``: the next optimizer step waits for it).
 Not supported: ``initial_load_path`` of a DCP or HF checkpoint (load those with torchtitan's own
-manager once, then save with this one).
+manager once, then save with this one) and ``last_save_in_hf`` (refused at construction).
+RNG states are not saved unless listed in ``states`` (``{"rng": ckptd.RNGState()}``), as with DCP.
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ class CkptdCheckpointManager(BaseCheckpointManager):
         if config.async_mode not in STAGING_FOR_ASYNC_MODE:
             raise ConfigError(
                 f"checkpoint.async_mode must be one of {sorted(STAGING_FOR_ASYNC_MODE)}, got {config.async_mode!r}"
+            )
+        if config.last_save_in_hf:
+            raise ConfigError(
+                "checkpoint.last_save_in_hf is not supported by the ckptd manager (its checkpoints are already "
+                "safetensors, under torchtitan's key names); convert them with the sd_adapter"
             )
         self.config = config
         self.async_mode = config.async_mode

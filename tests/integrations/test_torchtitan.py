@@ -57,6 +57,8 @@ def test_interval_retention_last_step_export_and_load(tmp_path):
     manager2.close()
     with pytest.raises(ckptd.errors.ConfigError, match="async_mode"):
         build(str(tmp_path / "x"), "sometimes")
+    with pytest.raises(ckptd.errors.ConfigError, match="last_save_in_hf"):
+        build(str(tmp_path / "y"), "disabled", last_save_in_hf=True)
     disabled = CkptdCheckpointManager(
         CkptdCheckpointManager.Config(enable=False),
         dataloader=None,
