@@ -221,3 +221,13 @@ def test_ranks_agree_on_save_decisions(root):
     results = run_ranks(2, manager_on_ranks, root)
     assert results[0]["decisions"] == results[1]["decisions"] == [None, 2, None, 4, None, None]
     assert results[0]["steps"] == [4], "the coordinator applied keep_last=1 after step 4 committed"
+
+
+def test_async_save_to_a_chosen_path_on_an_object_store_url():
+    with ckptd.Checkpointer("memory://ckptd-chosen/run") as ckpt:
+        ckpt.save(3, small_state(3.0), path="memory://ckptd-chosen/elsewhere/epoch=0-step=3.ckpt")
+        assert ckpt.steps() == []
+        loaded = ckpt.load("memory://ckptd-chosen/elsewhere/epoch=0-step=3.ckpt")
+        assert_same(loaded["model"], small_state(3.0)["model"])
+        with pytest.raises(ConfigError, match="not on the storage"):
+            ckpt.async_save(4, small_state(4.0), path="/tmp/local-path")
