@@ -175,6 +175,7 @@ class Checkpointer:
         sharing: Mapping[str, Any] | None = None,
         staging: str | None = None,
         frozen: Mapping[str, Iterable[str]] | None = None,
+        path: str | os.PathLike[str] | None = None,
     ) -> SaveRequest:
         """Snapshot ``state`` and return at once; the writer process persists it in the background.
 
@@ -200,6 +201,12 @@ class Checkpointer:
         ``frozen={"model": ["embed.*"]}`` declares tensors (glob patterns per component)
         unchanged since the previous save, for ``incremental`` Checkpointers.
 
+        ``path`` chooses where the checkpoint goes instead of :meth:`path_for` ``(step)`` (a
+        framework's own naming, e.g. Lightning's ``epoch=0-step=10.ckpt``): on the root's storage,
+        and on local disk on the root's filesystem (the save is staged under the root and renamed
+        into place).  Such checkpoints are not listed by :meth:`checkpoints` nor touched by
+        ``keep_last`` unless they are named ``checkpoint-<step>`` under the root.
+
         Raises before anything is written if the state holds values that cannot be stored
         (:class:`~ckptd.errors.UnsupportedValueError`), the sharding is invalid
         (:class:`~ckptd.errors.ShardingError`) or the checkpoint already exists on local
@@ -214,11 +221,12 @@ class Checkpointer:
         mode = staging or self.options.staging
         if mode not in ("blocking", "background"):
             raise ConfigError(f"staging must be 'blocking' or 'background', got {mode!r}")
+        final = self.path_for(step) if path is None else self._chosen_path(path)
         with self._save_lock:
             job = self._saver.start(
                 step,
                 state,
-                self.path_for(step),
+                final,
                 sharing=sharing,
                 allow_pickle=pickle_ok,
                 overwrite=overwrite,
@@ -232,6 +240,29 @@ class Checkpointer:
             self._pending.append(job.request)
         self._jobs.put(job)
         return job.request
+
+    def _chosen_path(self, path: str | os.PathLike[str]) -> str:
+        """Check a caller-chosen checkpoint location: same storage as the root, and on local disk
+        the same filesystem (the staging directory under the root is renamed to it)."""
+        location = normalize_location(os.fspath(path))
+        if is_local(location) != self.storage.local:
+            raise ConfigError(
+                f"path {location!r} is not on the storage of this Checkpointer's root {self.root!r}; "
+                "create a Checkpointer whose root is on the same storage"
+            )
+        if self.storage.local:
+            parent = os.path.dirname(location)
+            os.makedirs(parent, exist_ok=True)
+            if os.stat(parent).st_dev != os.stat(self.root).st_dev:
+                raise ConfigError(
+                    f"path {location!r} is on another filesystem than the root {self.root!r} (saves are staged "
+                    "under the root and renamed into place); use a root on the same filesystem"
+                )
+        elif location.split("://", 1)[0] != self.root.split("://", 1)[0]:
+            raise ConfigError(f"path {location!r} uses another protocol than the root {self.root!r}")
+        if location.rstrip("/") == self.root.rstrip("/"):
+            raise ConfigError(f"path {location!r} is the root itself; give a directory inside or beside it")
+        return location
 
     def prepare(self, state: Mapping[str, Any], *, sharing: Mapping[str, Any] | None = None) -> int:
         """Plan ``state`` and allocate (and hand to the writer) its staging arena now, so the

@@ -463,5 +463,7 @@ def _rank_plan(rank: int, parts: list[tuple[str, int, PiecePart, int]]) -> RankP
             flush()
         run.append(part)
     flush()
-    signature = tuple((p.file_name, p.file_offset, p.size, p.arena_offset) for p in pieces)
+    # The parts (header bytes, component, key, dtype, shape) belong to the signature: an arena laid
+    # out for other key names of the same sizes must be laid out again, or it stages stale keys.
+    signature = tuple((p.file_name, p.file_offset, p.size, p.arena_offset, p.parts) for p in pieces)
     return RankPlan(rank, tuple(pieces), max(cursor, ARENA_ALIGNMENT), signature)
