@@ -17,6 +17,8 @@ from ._version import __version__
 
 __all__ = [
     "CheckpointInfo",
+    "CheckpointManager",
+    "CheckpointPolicy",
     "CheckpointReader",
     "Checkpointer",
     "CheckpointerOptions",
@@ -41,6 +43,8 @@ _CORE = {
     "Checkpointer": "checkpointer",
     "CheckpointerOptions": "options",
     "CheckpointInfo": "catalog",
+    "CheckpointManager": "manager",
+    "CheckpointPolicy": "manager",
     "CheckpointReader": "load.reader",
     "RNGState": "rng",
     "SaveRequest": "request",
@@ -111,6 +115,7 @@ if TYPE_CHECKING:
     from .dist.sharding import ShardedTensor, validate_sharding
     from .load.assign import create_sharing_metadata, retie_parameters
     from .load.reader import CheckpointReader
+    from .manager import CheckpointManager, CheckpointPolicy
     from .options import CheckpointerOptions
     from .request import SaveRequest, SaveResult
     from .rng import RNGState
