@@ -12,8 +12,9 @@ import itertools
 import json
 import math
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring as _json_string  # type: ignore[attr-defined]
 from typing import Any, BinaryIO
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "TensorEntry",
     "SafetensorsHeader",
     "build_header",
+    "header_bytes",
     "dtype_from_name",
     "dtype_name",
     "parse_header",
@@ -110,10 +112,30 @@ class SafetensorsHeader:
 
 def build_header(entries: Iterable[TensorEntry], metadata: dict[str, str] | None = None) -> bytes:
     """The length prefix and padded JSON header for ``entries`` (data offsets already assigned)."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata if metadata is not None else {"format": "pt"})}
-    for entry in entries:
-        header[entry.key] = {"dtype": entry.dtype, "shape": list(entry.shape), "data_offsets": [entry.start, entry.end]}
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return header_bytes(((e.key, e.dtype, e.shape, e.start, e.end) for e in entries), metadata)
+
+
+def header_bytes(
+    rows: Iterable[tuple[str, str, Sequence[int], int, int]], metadata: dict[str, str] | None = None
+) -> bytes:
+    """:func:`build_header` of ``(key, dtype, shape, start, end)`` rows.
+
+    The JSON is compact (as ``json.dumps`` with ``separators=(",", ":")`` and non-ASCII kept),
+    written row by row: a checkpoint may hold 100,000 tensors and this runs on the save path.
+    """
+    meta = dict(metadata if metadata is not None else {"format": "pt"})
+    parts = ['{"__metadata__":', json.dumps(meta, separators=(",", ":"), ensure_ascii=False)]
+    seen: set[str] = {"__metadata__"}
+    for key, dtype, shape, start, end in rows:
+        if key in seen:
+            raise UnsupportedValueError(f"tensor key {key!r} appears twice in one safetensors header")
+        seen.add(key)
+        dims = ",".join(map(str, shape))
+        parts.append(
+            f',{_json_string(key)}:{{"dtype":{_json_string(dtype)},"shape":[{dims}],"data_offsets":[{start},{end}]}}'
+        )
+    parts.append("}")
+    text = "".join(parts).encode("utf-8")
     padded = text + b" " * (-len(text) % HEADER_ALIGNMENT)
     return struct.pack("<Q", len(padded)) + padded
 
