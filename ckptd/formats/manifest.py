@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -17,20 +16,18 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..storage import check_file_name
+from .names import parse_step
 from .safetensors import DTYPE_ITEMSIZE
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
-    "MANIFEST_NAME",
-    "STATE_NAME",
     "ChunkRecord",
     "ComponentRecord",
     "FileRecord",
     "Manifest",
     "TensorRecord",
     "hf_index",
-    "hf_index_name",
     "parse_state_file",
     "state_file_bytes",
     "utc_now",
@@ -38,20 +35,11 @@ __all__ = [
 
 FORMAT_NAME = "ckptd"
 FORMAT_VERSION = 1
-MANIFEST_NAME = "checkpoint_manifest.json"
-STATE_NAME = "state.json"
 
 
 def utc_now() -> str:
     """The current UTC time in ISO 8601 with a ``Z`` suffix."""
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def hf_index_name(component: str, kind: str = "safetensors") -> str:
-    """``model.safetensors.index.json`` (or ``pytorch_model.bin.index.json`` for ``.bin``)."""
-    if kind == "torch_bin":
-        return "pytorch_model.bin.index.json" if component == "model" else f"{component}.bin.index.json"
-    return f"{component}.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -261,9 +249,6 @@ class Manifest:
         )
 
 
-_REFERENCE_RE = re.compile(r"^checkpoint-\d+$")
-
-
 def _file_json(record: FileRecord) -> dict[str, Any]:
     body: dict[str, Any] = {"size": record.size, "crc32c": record.crc32c}
     if record.checkpoint is not None:
@@ -275,7 +260,7 @@ def _reference(body: dict[str, Any], where: str) -> str | None:
     name = body.get("checkpoint")
     if name is None:
         return None
-    if not isinstance(name, str) or not _REFERENCE_RE.match(name):
+    if not isinstance(name, str) or parse_step(name) is None:
         raise CorruptCheckpointError(f"{where}: file reference {name!r} is not a sibling checkpoint name")
     return name
 

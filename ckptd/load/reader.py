@@ -29,7 +29,8 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..formats.checksum import crc32c, format_crc
-from ..formats.manifest import MANIFEST_NAME, Manifest, TensorRecord, parse_state_file
+from ..formats.manifest import Manifest, TensorRecord, parse_state_file
+from ..formats.names import MANIFEST_NAME, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_BIN_INDEX, TORCH_BIN_SINGLE
 from ..formats.safetensors import DTYPE_ITEMSIZE, SafetensorsHeader, dtype_from_name, dtype_name, parse_header
 from ..formats.torch_bin import load_bin, load_bin_bytes
 from ..storage import (
@@ -45,20 +46,12 @@ from .cache import FileCache
 
 __all__ = [
     "CheckpointReader",
-    "SAFETENSORS_INDEX",
-    "SAFETENSORS_SINGLE",
-    "TORCH_BIN_INDEX",
-    "TORCH_BIN_SINGLE",
     "preview",
     "tensor_memoryview",
 ]
 
 logger = logging.getLogger(__name__)
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_SINGLE = "model.safetensors"
-TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
-TORCH_BIN_SINGLE = "pytorch_model.bin"
 _READ_THREADS = 4
 _READ_SLICE = 32 * 1024 * 1024
 _HEADER_PREFETCH = 64 * 1024

@@ -32,6 +32,7 @@ import torch
 from ..dist.sharding import Box, ChunkInfo, validate_sharding
 from ..errors import ShardingError
 from ..formats.manifest import ChunkRecord, TensorRecord
+from ..formats.names import shard_file_name
 from ..formats.safetensors import DTYPE_ITEMSIZE, dtype_name, header_bytes
 
 __all__ = [
@@ -47,7 +48,6 @@ __all__ = [
     "describe_tensors",
     "plan_file",
     "plan_save",
-    "shard_file_name",
 ]
 
 ARENA_ALIGNMENT = 4096
@@ -164,11 +164,6 @@ def describe_tensors(component: str, tensors: dict[str, torch.Tensor]) -> list[W
         WriteItem(component, key, dtype_name(t.dtype, f"{component}.{key}"), tuple(t.shape))
         for key, t in tensors.items()
     ]
-
-
-def shard_file_name(component: str, index: int, count: int, extension: str = "safetensors") -> str:
-    """HF-style shard name: ``model-00001-of-00003.safetensors``."""
-    return f"{component}-{index:05d}-of-{count:05d}.{extension}"
 
 
 def bucket_items(items: Sequence[WriteItem], max_shard_size: int) -> list[list[WriteItem]]:

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..catalog import apply_retention, list_checkpoints, read_manifest, staging_dir_name
+from ..catalog import apply_retention, list_checkpoints, read_manifest
 from ..dist.group import DistContext, Sharing, normalize_sharing, rank_failure
 from ..errors import (
     CheckpointExistsError,
@@ -34,7 +34,8 @@ from ..errors import (
     WriterError,
 )
 from ..formats.checksum import crc32c_combine, format_crc
-from ..formats.manifest import MANIFEST_NAME, FileRecord, Manifest
+from ..formats.manifest import FileRecord, Manifest
+from ..formats.names import MANIFEST_NAME, staging_dir_name
 from ..formats.safetensors import dtype_name
 from ..options import CheckpointerOptions
 from ..request import SaveRequest, SaveResult

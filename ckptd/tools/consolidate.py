@@ -15,10 +15,11 @@ from typing import Any
 from .._version import __version__
 from ..compat.forgather import write_layout
 from ..formats.manifest import FileRecord, Manifest, TensorRecord
+from ..formats.names import shard_file_name
 from ..load.reader import CheckpointReader
 from ..options import DEFAULT_MAX_SHARD_SIZE, parse_size
 from ..save.commit import ComponentInfo, claim_step, finalize_checkpoint
-from ..save.plan import WriteItem, bucket_items, plan_file, shard_file_name
+from ..save.plan import WriteItem, bucket_items, plan_file
 from ..storage import normalize_location, storage_for
 
 __all__ = ["consolidate"]
