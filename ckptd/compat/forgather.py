@@ -30,8 +30,8 @@ from ..formats.names import (
     is_seed_shard_name,
     seed_shard_name,
 )
-from ..formats.safetensors import dtype_from_name
 from ..formats.torch_bin import save_bin_bytes
+from ..formats.torch_dtypes import dtype_from_name
 from ..load.assign import create_sharing_metadata, load_into_module, retie_parameters
 from ..load.reader import CheckpointReader, tensor_memoryview
 from ..options import parse_size

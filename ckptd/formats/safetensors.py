@@ -1,4 +1,4 @@
-"""The safetensors format: dtype names, header building and strict header parsing.
+"""The safetensors format: dtype sizes, header building and strict header parsing (no torch).
 
 A safetensors file is ``u64 little-endian header length`` + ``JSON header`` (padded with spaces to
 a multiple of 8 bytes) + the data section.  Each header entry gives a tensor's dtype, shape and
@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring as _json_string  # type: ignore[attr-defined]
 from typing import Any, BinaryIO
 
-import torch
-
 from ..errors import CorruptCheckpointError, UnsupportedValueError
 
 __all__ = [
@@ -29,8 +27,6 @@ __all__ = [
     "SafetensorsHeader",
     "build_header",
     "header_bytes",
-    "dtype_from_name",
-    "dtype_name",
     "parse_header",
     "read_header",
 ]
@@ -38,48 +34,28 @@ __all__ = [
 HEADER_ALIGNMENT = 8
 MAX_HEADER_SIZE = 100 * 1024 * 1024  # the limit the reference implementation enforces
 
-_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "C64": torch.complex64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "I16": 2,
+    "I32": 4,
+    "I64": 8,
+    "F16": 2,
+    "BF16": 2,
+    "F32": 4,
+    "F64": 8,
+    "C64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2FNUZ": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
 }
-_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
-DTYPE_ITEMSIZE: dict[str, int] = {name: dtype.itemsize for name, dtype in _DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype, key: str = "") -> str:
-    """The safetensors name of a torch dtype (``torch.bfloat16`` → ``"BF16"``)."""
-    try:
-        return _NAMES[dtype]
-    except KeyError:
-        where = f" (tensor {key!r})" if key else ""
-        supported = ", ".join(str(d) for d in _NAMES)
-        raise UnsupportedValueError(
-            f"dtype {dtype}{where} cannot be stored in safetensors; supported: {supported}"
-        ) from None
-
-
-def dtype_from_name(name: str, where: str = "") -> torch.dtype:
-    """The torch dtype of a safetensors dtype name (``"BF16"`` → ``torch.bfloat16``)."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise CorruptCheckpointError(f"unknown safetensors dtype {name!r}{where}") from None
+"""Bytes per element of every safetensors dtype ckptd reads and writes (the torch dtypes they
+stand for are in :mod:`ckptd.formats.torch_dtypes`)."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 
 from ..dist.sharding import is_dtensor
 from ..errors import ConfigError, KeyMismatchError
-from ..formats.safetensors import dtype_from_name
+from ..formats.torch_dtypes import dtype_from_name
 from ..save.flatten import find_tied_groups, restore_tree, tensor_leaves, tree_tensor_keys
 from .reader import CheckpointReader, preview
 

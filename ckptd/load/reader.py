@@ -31,8 +31,9 @@ from ..errors import (
 from ..formats.checksum import crc32c, format_crc
 from ..formats.manifest import Manifest, TensorRecord, parse_state_file
 from ..formats.names import MANIFEST_NAME, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_BIN_INDEX, TORCH_BIN_SINGLE
-from ..formats.safetensors import DTYPE_ITEMSIZE, SafetensorsHeader, dtype_from_name, dtype_name, parse_header
+from ..formats.safetensors import DTYPE_ITEMSIZE, SafetensorsHeader, parse_header
 from ..formats.torch_bin import load_bin, load_bin_bytes
+from ..formats.torch_dtypes import dtype_from_name, dtype_name
 from ..storage import (
     RangeReader,
     Storage,

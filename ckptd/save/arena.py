@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..formats.safetensors import dtype_from_name
+from ..formats.torch_dtypes import dtype_from_name
 from ..writer.client import InProcessWriter, WriterClient
 from ..writer.shm import SharedSegment
 from .plan import RankPlan

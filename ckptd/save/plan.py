@@ -33,7 +33,8 @@ from ..dist.sharding import Box, ChunkInfo, validate_sharding
 from ..errors import ShardingError
 from ..formats.manifest import ChunkRecord, TensorRecord
 from ..formats.names import shard_file_name
-from ..formats.safetensors import DTYPE_ITEMSIZE, dtype_name, header_bytes
+from ..formats.safetensors import DTYPE_ITEMSIZE, header_bytes
+from ..formats.torch_dtypes import dtype_name
 
 __all__ = [
     "ARENA_ALIGNMENT",

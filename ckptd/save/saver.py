@@ -36,7 +36,7 @@ from ..errors import (
 from ..formats.checksum import crc32c_combine, format_crc
 from ..formats.manifest import FileRecord, Manifest
 from ..formats.names import MANIFEST_NAME, staging_dir_name
-from ..formats.safetensors import dtype_name
+from ..formats.torch_dtypes import dtype_name
 from ..options import CheckpointerOptions
 from ..request import SaveRequest, SaveResult
 from ..storage import Storage
