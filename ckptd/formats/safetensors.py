@@ -12,16 +12,17 @@ import itertools
 import json
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring as _json_string  # type: ignore[attr-defined]
-from typing import Any, BinaryIO
+from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedValueError
 
 __all__ = [
     "DTYPE_ITEMSIZE",
     "HEADER_ALIGNMENT",
+    "HEADER_PREFETCH",
     "MAX_HEADER_SIZE",
     "TensorEntry",
     "SafetensorsHeader",
@@ -33,6 +34,7 @@ __all__ = [
 
 HEADER_ALIGNMENT = 8
 MAX_HEADER_SIZE = 100 * 1024 * 1024  # the limit the reference implementation enforces
+HEADER_PREFETCH = 64 * 1024  # bytes read at once when a header is read: most headers fit
 
 DTYPE_ITEMSIZE: dict[str, int] = {
     "BOOL": 1,
@@ -116,7 +118,7 @@ def header_bytes(
     return struct.pack("<Q", len(padded)) + padded
 
 
-def parse_header(prefix: bytes, header_bytes: bytes, file_size: int | None, name: str) -> SafetensorsHeader:
+def parse_header(prefix: bytes, body: bytes, file_size: int | None, name: str) -> SafetensorsHeader:
     """Validate and parse a header; ``name`` is used in error messages.
 
     Checks: sane length, valid UTF-8 JSON, known dtypes, byte counts matching shapes, offsets in
@@ -125,7 +127,7 @@ def parse_header(prefix: bytes, header_bytes: bytes, file_size: int | None, name
     (length,) = struct.unpack("<Q", prefix)
     data_start = 8 + length
     try:
-        raw = json.loads(header_bytes.decode("utf-8"))
+        raw = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptCheckpointError(f"{name}: safetensors header is not valid JSON ({e})") from e
     if not isinstance(raw, dict):
@@ -168,15 +170,25 @@ def _parse_entry(key: str, info: Any, name: str) -> TensorEntry:
     return TensorEntry(key, dtype, tuple(shape), start, end)
 
 
-def read_header(f: BinaryIO, file_size: int | None, name: str) -> SafetensorsHeader:
-    """Read and parse the header at the start of an open binary file."""
-    prefix = f.read(8)
-    if len(prefix) != 8:
-        raise CorruptCheckpointError(f"{name}: file is too short to be safetensors ({len(prefix)} bytes)")
-    (length,) = struct.unpack("<Q", prefix)
-    if length > MAX_HEADER_SIZE or (file_size is not None and 8 + length > file_size):
-        raise CorruptCheckpointError(f"{name}: safetensors header length {length} is invalid or exceeds the file")
-    header_bytes = f.read(length)
-    if len(header_bytes) != length:
+def read_header(
+    read: Callable[[int, int], bytes], file_size: int, name: str, *, prefetch: int = HEADER_PREFETCH
+) -> SafetensorsHeader:
+    """Read and parse the header of a safetensors file of ``file_size`` bytes.
+
+    ``read(offset, length)`` returns bytes of the file (a local file, a ranged GET...).  The first
+    ``prefetch`` bytes are read at once, so a header that fits in them costs one read; a longer
+    header costs a second.  ``name`` is used in error messages.
+    """
+    head = read(0, min(file_size, prefetch))
+    if len(head) < 8:
+        raise CorruptCheckpointError(f"{name}: file is too short to be safetensors ({file_size} bytes)")
+    (length,) = struct.unpack("<Q", head[:8])
+    if length > MAX_HEADER_SIZE or 8 + length > file_size:
+        raise CorruptCheckpointError(
+            f"{name}: safetensors header length {length} exceeds the file ({file_size} bytes) or the "
+            f"{MAX_HEADER_SIZE}-byte limit: the file is truncated or not safetensors"
+        )
+    body = head[8 : 8 + length] if 8 + length <= len(head) else read(8, length)
+    if len(body) != length:
         raise CorruptCheckpointError(f"{name}: file is truncated inside the safetensors header")
-    return parse_header(prefix, header_bytes, file_size, name)
+    return parse_header(head[:8], body, file_size, name)

@@ -31,7 +31,7 @@ from ..errors import (
 from ..formats.checksum import crc32c, format_crc
 from ..formats.manifest import Manifest, TensorRecord, parse_state_file
 from ..formats.names import MANIFEST_NAME, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_BIN_INDEX, TORCH_BIN_SINGLE
-from ..formats.safetensors import DTYPE_ITEMSIZE, SafetensorsHeader, parse_header
+from ..formats.safetensors import DTYPE_ITEMSIZE, SafetensorsHeader, read_header
 from ..formats.torch_bin import load_bin, load_bin_bytes
 from ..formats.torch_dtypes import dtype_from_name, dtype_name
 from ..storage import (
@@ -55,7 +55,6 @@ logger = logging.getLogger(__name__)
 
 _READ_THREADS = 4
 _READ_SLICE = 32 * 1024 * 1024
-_HEADER_PREFETCH = 64 * 1024
 _VERIFY_CHUNK = 16 * 1024 * 1024
 
 
@@ -272,17 +271,9 @@ class CheckpointReader:
     def _header(self, file_name: str) -> SafetensorsHeader:
         header = self._headers.get(file_name)
         if header is None:
-            path = self._path(file_name)
             reader = self._open(file_name)
             try:
-                head = reader.read(0, min(reader.size, _HEADER_PREFETCH))
-                if len(head) < 8:
-                    raise CorruptCheckpointError(f"{path}: file is too short to be safetensors ({reader.size} bytes)")
-                length = int.from_bytes(head[:8], "little")
-                if 8 + length > reader.size:
-                    raise CorruptCheckpointError(f"{path}: safetensors header length {length} exceeds the file")
-                body = head[8 : 8 + length] if 8 + length <= len(head) else reader.read(8, length)
-                header = parse_header(head[:8], body, reader.size, path)
+                header = read_header(reader.read, reader.size, self._path(file_name))
             finally:
                 reader.close()
             self._headers[file_name] = header
