@@ -33,7 +33,8 @@ from ..formats.names import (
 from ..formats.torch_bin import save_bin_bytes
 from ..formats.torch_dtypes import dtype_from_name
 from ..load.assign import create_sharing_metadata, load_into_module, retie_parameters
-from ..load.reader import CheckpointReader, tensor_memoryview
+from ..load.fetch import tensor_memoryview
+from ..load.reader import CheckpointReader
 from ..options import parse_size
 from ..save.flatten import find_tied_groups
 from ..save.plan import FileLayout, WriteItem, bucket_items, describe_tensors, plan_file

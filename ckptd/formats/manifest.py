@@ -28,6 +28,7 @@ __all__ = [
     "Manifest",
     "TensorRecord",
     "hf_index",
+    "parse_hf_index",
     "parse_state_file",
     "state_file_bytes",
     "utc_now",
@@ -293,6 +294,28 @@ def hf_index(weight_map: Mapping[str, str], total_size: int, extra_metadata: Map
     if extra_metadata:
         metadata.update(extra_metadata)
     return json.dumps({"metadata": metadata, "weight_map": dict(weight_map)}, indent=2, ensure_ascii=False).encode()
+
+
+def parse_hf_index(index: Any, where: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Weight map and tied aliases (``metadata.param_sharing``) of an HF index, given as its JSON
+    bytes or as the loaded object; every file name is checked to stay inside the directory."""
+    if isinstance(index, bytes | bytearray):
+        try:
+            index = json.loads(index)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{where}: index is not valid JSON ({e})") from e
+    try:
+        weight_map = {str(k): check_file_name(str(v), where) for k, v in index["weight_map"].items()}
+        metadata = index.get("metadata") or {}
+        groups = metadata.get("param_sharing") or []
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CorruptCheckpointError(f"{where}: malformed index ({e})") from e
+    aliases: dict[str, str] = {}
+    for group in groups:
+        stored = [k for k in group if k in weight_map]
+        if stored:
+            aliases.update({k: stored[0] for k in group if k not in weight_map})
+    return weight_map, aliases
 
 
 def state_file_bytes(trees: Mapping[str, Any]) -> bytes:
