@@ -68,6 +68,7 @@ StateDictLike = torch.nn.Module | dict[str, torch.Tensor]
 ShardIndex = dict[str, dict[str, Any]]
 SharingMetadataT = list[list[str]]
 
+
 @dataclass(frozen=True)
 class TensorInfo:
     """A stored tensor's dtype and global shape (what :func:`load_tensors_metadata` returns)."""

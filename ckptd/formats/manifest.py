@@ -328,8 +328,8 @@ def parse_state_file(data: bytes, where: str) -> dict[str, Any]:
     try:
         body = json.loads(data.decode("utf-8"))
         components = body["components"]
-        if not isinstance(components, dict):
-            raise TypeError("components is not an object")
-        return components
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{where}: malformed state file ({e})") from e
+    if not isinstance(components, dict):
+        raise CorruptCheckpointError(f"{where}: malformed state file (components is not an object)")
+    return components

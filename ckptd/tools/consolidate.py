@@ -14,6 +14,7 @@ from typing import Any
 
 from .._version import __version__
 from ..compat.forgather import write_layout
+from ..errors import CheckpointNotFoundError
 from ..formats.manifest import FileRecord, Manifest, TensorRecord
 from ..formats.names import shard_file_name
 from ..load.reader import CheckpointReader
@@ -43,7 +44,7 @@ def consolidate(
     reader = CheckpointReader.open(source, storage_options, require_manifest=True)
     manifest = reader.manifest
     if manifest is None:  # pragma: no cover - require_manifest guarantees it
-        raise ValueError("not a ckptd checkpoint")
+        raise CheckpointNotFoundError(f"{source}: not a committed ckptd checkpoint (no manifest)")
     if verify:
         reader.verify()
     limit = parse_size(max_shard_size, "max_shard_size")

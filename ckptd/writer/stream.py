@@ -5,10 +5,12 @@ Shared by the writer process and the in-process writer (for ``memory://``).  Tor
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
+from ..errors import StorageError
 from ..formats.checksum import crc32c_of_view
 from ..storage import Storage, StorageTuning, storage_for
 from .protocol import FileResult, FileSpec, FilesWritten, WriteFiles
@@ -81,7 +83,12 @@ def _write_file(
         else:
             write_at = getattr(storage, "write_at", None)
             if write_at is None:
-                raise ValueError(f"{path}: this storage cannot write one file from several ranks")
+                raise StorageError(
+                    errno.EOPNOTSUPP,
+                    f"{path}: {type(storage).__name__} cannot write one file from several ranks (no write_at); "
+                    "plan such storage with shared_files=False",
+                    path,
+                )
             write_at(
                 path,
                 spec.file_offset,
