@@ -110,6 +110,12 @@ def fetch(
         itemsize = DTYPE_ITEMSIZE[record.dtype]
         view = tensor_memoryview(destination.buffer)
         covered = 0
+        if record.is_whole and destination.box.shape == record.shape:
+            # The common case: the whole stored tensor into a whole destination, one run.
+            if record.nbytes:
+                chunk = record.chunks[0]
+                requests.setdefault(chunk.file, []).append((chunk.start, view[: record.nbytes]))
+            continue
         for chunk in record.chunks:
             chunk_box = Box(chunk.offset, chunk.shape)
             overlap = intersect(chunk_box, destination.box)
@@ -136,12 +142,13 @@ def fetch(
                     f"{path_of(file_name)}: file is truncated: {end} bytes needed, the file has {reader.size}"
                 )
         # Local files: positional reads from several threads (preadv drops the GIL), large
-        # tensors cut into slices, so one big shard is read in parallel too.  Remote
+        # tensors cut into slices, so one big shard is read in parallel too, and small tensors
+        # batched, so 100,000 of them are not 100,000 tasks.  Remote
         # readers batch, coalesce and parallelise one file's ranges themselves.
         tasks: list[tuple[str, list[tuple[int, memoryview]]]] = []
         for file_name, wanted in sorted(requests.items()):
             if local:
-                tasks.extend((file_name, [piece]) for piece in _slices(wanted, _READ_SLICE))
+                tasks.extend((file_name, batch) for batch in _batches(_slices(wanted, _READ_SLICE), _READ_SLICE))
             else:
                 tasks.append((file_name, wanted))
 
@@ -168,6 +175,9 @@ def _slices(requests: list[tuple[int, memoryview]], size: int) -> list[tuple[int
     out = []
     for offset, buffer in requests:
         view = buffer.cast("B") if buffer.format != "B" else buffer
+        if len(view) <= size:
+            out.append((offset, view))
+            continue
         for start in range(0, len(view), size):
             out.append((offset + start, view[start : start + size]))
     return out
@@ -206,3 +216,16 @@ def preview(keys: list[str], limit: int = 5) -> str:
         return "none"
     shown = ", ".join(repr(k) for k in keys[:limit])
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def _batches(requests: list[tuple[int, memoryview]], size: int) -> list[list[tuple[int, memoryview]]]:
+    """Consecutive requests grouped into batches of about ``size`` bytes (at least one each)."""
+    batches: list[list[tuple[int, memoryview]]] = []
+    filled = size
+    for request in requests:
+        if filled >= size:
+            batches.append([])
+            filled = 0
+        batches[-1].append(request)
+        filled += len(request[1])
+    return batches
