@@ -247,7 +247,7 @@ def _lay_out(items: Iterable[_S]) -> tuple[list[_S], bytes, tuple[int, ...], int
 class _Logical:
     """A logical tensor and every rank's piece of it (mutable scratch of one planning run)."""
 
-    __slots__ = ("component", "dtype", "holder_ranks", "holders", "key", "layout", "shape")
+    __slots__ = ("component", "dtype", "holder_ranks", "holders", "key", "layout", "owner", "shape")
 
     def __init__(self, component: str, key: str, dtype: str, shape: tuple[int, ...]) -> None:
         self.component = component
@@ -257,6 +257,7 @@ class _Logical:
         self.holders: list[LocalTensor] = []
         self.holder_ranks: list[int] = []
         self.layout = ""  # "whole", "rows" (row blocks of one file entry) or "chunks" (one entry per piece)
+        self.owner = -1  # the rank that writes a whole tensor
 
     @property
     def nbytes(self) -> int:
@@ -345,7 +346,7 @@ def _plan_save(
         for rank, piece in zip(tensor.holder_ranks, holders, strict=True):
             if piece.sharded and piece.main and not (len(mains) == 1 and piece.is_whole):
                 loads[rank] += piece.nbytes
-    owners = _assign_whole(whole, loads, world)
+    _assign_whole(whole, loads, world)
 
     # Entries, in state order, per component.
     entries_by_component: dict[str, list[_Entry]] = {}
@@ -369,8 +370,8 @@ def _plan_save(
             )
             bucket.append(_Entry(tensor.key, tensor.dtype, tensor.shape, tensor.nbytes, writers, None))
         else:
-            rank = owners[(tensor.component, tensor.key)]
-            piece = tensor.holders[tensor.holder_ranks.index(rank)]
+            rank = tensor.owner
+            piece = tensor.holders[0] if world == 1 else tensor.holders[tensor.holder_ranks.index(rank)]
             nbytes = tensor.nbytes
             bucket.append(_Entry(tensor.key, tensor.dtype, tensor.shape, nbytes, ((rank, 0, nbytes, piece),), None))
 
@@ -458,11 +459,13 @@ def _validate(logical: Sequence[_Logical]) -> None:
     validate_sharding(chunks)
 
 
-def _assign_whole(whole: Sequence[_Logical], loads: list[int], world: int) -> dict[tuple[str, str], int]:
-    """Pick one writer per replicated tensor: contiguous runs per rank, balancing total bytes."""
-    owners: dict[tuple[str, str], int] = {}
+def _assign_whole(whole: Sequence[_Logical], loads: list[int], world: int) -> None:
+    """Pick one writer (``owner``) per replicated tensor: contiguous runs per rank, balancing
+    total bytes."""
     if world == 1:
-        return {(t.component, t.key): 0 for t in whole}
+        for tensor in whole:
+            tensor.owner = 0
+        return
     total = sum(t.nbytes for t in whole) + sum(loads)
     targets = [max(0, total // world - load) for load in loads]
     assigned = [0] * world
@@ -477,9 +480,8 @@ def _assign_whole(whole: Sequence[_Logical], loads: list[int], world: int) -> di
             rank = current
         else:
             rank = min(holders, key=lambda r: (loads[r] + assigned[r], r))
-        owners[(tensor.component, tensor.key)] = rank
+        tensor.owner = rank
         assigned[rank] += tensor.nbytes
-    return owners
 
 
 def _group_entries(entries: Sequence[_Entry], max_shard_size: int, shared_files: bool) -> list[list[_Entry]]:
@@ -516,7 +518,7 @@ def _rank_plan(rank: int, parts: list[_Part]) -> RankPlan:
                 start,
                 end - start,
                 arena_offset,
-                tuple(_piece_part(offset - start, nbytes, what) for _, offset, nbytes, what, _ in run),
+                tuple([_piece_part(offset - start, nbytes, what) for _, offset, nbytes, what, _ in run]),
                 start == 0 and end == file_size,
             )
         )
@@ -527,5 +529,5 @@ def _rank_plan(rank: int, parts: list[_Part]) -> RankPlan:
 
 def _piece_part(offset: int, nbytes: int, what: bytes | LocalTensor) -> PiecePart:
     if isinstance(what, bytes):
-        return PiecePart(offset, nbytes, header=what)
-    return PiecePart(offset, nbytes, component=what.component, key=what.key, dtype=what.dtype, shape=what.shape)
+        return PiecePart(offset, nbytes, what)
+    return PiecePart(offset, nbytes, b"", what.component, what.key, what.dtype, what.shape)
