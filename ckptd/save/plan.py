@@ -187,6 +187,22 @@ def _buckets(values: Sequence[_T], sizes: Sequence[int], limit: int) -> list[lis
     return buckets
 
 
+class _Sized(Protocol):
+    """What laying out a file needs of an entry (a :class:`WriteItem`, or a planned entry)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+_S = TypeVar("_S", bound=_Sized)
+
+
 def _file_order(items: Iterable[_S]) -> list[_S]:
     """Decreasing item size, state order within one item size (the sort is stable)."""
     return sorted(items, key=lambda item: -DTYPE_ITEMSIZE[item.dtype])
@@ -211,20 +227,6 @@ def plan_file(component: str, file_name: str, items: Sequence[WriteItem]) -> Fil
     """The layout of one safetensors file holding ``items`` (reordered for alignment)."""
     ordered, header, starts, size = _lay_out(items)
     return FileLayout(component, file_name, header, tuple(ordered), starts, size)
-
-
-class _Sized(Protocol):
-    @property
-    def key(self) -> str: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-    @property
-    def nbytes(self) -> int: ...
-
-
-_S = TypeVar("_S", bound=_Sized)
 
 
 def _lay_out(items: Iterable[_S]) -> tuple[list[_S], bytes, tuple[int, ...], int]:
