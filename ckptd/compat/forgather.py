@@ -37,7 +37,7 @@ from ..load.fetch import tensor_memoryview
 from ..load.reader import CheckpointReader
 from ..options import parse_size
 from ..save.flatten import find_tied_groups
-from ..save.plan import FileLayout, WriteItem, bucket_items, describe_tensors, plan_file
+from ..save.layout import FileLayout, WriteItem, bucket_items, describe_tensors, plan_file
 from ..storage import Storage, check_file_name, local_path, normalize_location, storage_for
 
 __all__ = [

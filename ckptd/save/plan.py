@@ -23,18 +23,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, TypeVar
-
-import torch
+from typing import NamedTuple
 
 from ..dist.sharding import Box, ChunkInfo, validate_sharding
 from ..errors import ShardingError
 from ..formats.manifest import ChunkRecord, TensorRecord
 from ..formats.names import shard_file_name
-from ..formats.safetensors import DTYPE_ITEMSIZE, header_bytes
-from ..formats.torch_dtypes import dtype_name
+from ..formats.safetensors import DTYPE_ITEMSIZE
+from .layout import WriteItem, bucket_items, buckets, describe_tensors, lay_out, plan_file
 
 __all__ = [
     "ARENA_ALIGNMENT",
@@ -52,21 +50,6 @@ __all__ = [
 ]
 
 ARENA_ALIGNMENT = 4096
-_T = TypeVar("_T")
-
-
-@dataclass(frozen=True)
-class WriteItem:
-    """An entry of a shard file: its key in the file, dtype and shape."""
-
-    component: str
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -157,90 +140,6 @@ class SavePlan:
     ranks: tuple[RankPlan, ...]
     tensors: dict[str, dict[str, TensorRecord]] = field(default_factory=dict)
     signature: tuple[object, ...] = ()
-
-
-def describe_tensors(component: str, tensors: dict[str, torch.Tensor]) -> list[WriteItem]:
-    """Write items for whole tensors, in the state's order."""
-    return [
-        WriteItem(component, key, dtype_name(t.dtype, f"{component}.{key}"), tuple(t.shape))
-        for key, t in tensors.items()
-    ]
-
-
-def bucket_items(items: Sequence[WriteItem], max_shard_size: int) -> list[list[WriteItem]]:
-    """Split items, in order, into buckets of at most ``max_shard_size`` bytes (an item larger
-    than the limit gets a bucket of its own, as HF does).  Always returns at least one bucket."""
-    return _buckets(items, [item.nbytes for item in items], max_shard_size)
-
-
-def _buckets(values: Sequence[_T], sizes: Sequence[int], limit: int) -> list[list[_T]]:
-    """``values`` cut, in order, into runs whose ``sizes`` add up to at most ``limit`` (a value
-    larger than the limit gets a run of its own); at least one run, possibly empty."""
-    buckets: list[list[_T]] = [[]]
-    filled = 0
-    for value, size in zip(values, sizes, strict=True):
-        if filled + size > limit and buckets[-1]:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(value)
-        filled += size
-    return buckets
-
-
-class _Sized(Protocol):
-    """What laying out a file needs of an entry (a :class:`WriteItem`, or a planned entry)."""
-
-    @property
-    def key(self) -> str: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-    @property
-    def nbytes(self) -> int: ...
-
-
-_S = TypeVar("_S", bound=_Sized)
-
-
-def _file_order(items: Iterable[_S]) -> list[_S]:
-    """Decreasing item size, state order within one item size (the sort is stable)."""
-    return sorted(items, key=lambda item: -DTYPE_ITEMSIZE[item.dtype])
-
-
-@dataclass(frozen=True)
-class FileLayout:
-    """A safetensors file's header and the absolute offset of each entry (by entry key)."""
-
-    component: str
-    file_name: str
-    header: bytes
-    items: tuple[WriteItem, ...]
-    starts: tuple[int, ...]
-    size: int
-
-    def item_file_offset(self, index: int) -> int:
-        return self.starts[index]
-
-
-def plan_file(component: str, file_name: str, items: Sequence[WriteItem]) -> FileLayout:
-    """The layout of one safetensors file holding ``items`` (reordered for alignment)."""
-    ordered, header, starts, size = _lay_out(items)
-    return FileLayout(component, file_name, header, tuple(ordered), starts, size)
-
-
-def _lay_out(items: Iterable[_S]) -> tuple[list[_S], bytes, tuple[int, ...], int]:
-    """Order ``items`` for one file; their header, absolute start offsets and the file size."""
-    ordered = _file_order(items)
-    rows = []
-    position = 0
-    for item in ordered:
-        end = position + item.nbytes
-        rows.append((item.key, item.dtype, item.shape, position, end))
-        position = end
-    header = header_bytes(rows)
-    data_start = len(header)
-    return ordered, header, tuple([data_start + row[3] for row in rows]), data_start + position
 
 
 # ---- the global plan ----------------------------------------------------------------------------
@@ -396,7 +295,7 @@ def _plan_save(
         records = tensors.setdefault(component, {})
         for number, (group, frozen_file) in enumerate(groups, start=1):
             file_name = shard_file_name(component, number, len(groups))
-            ordered, header, starts, file_size = _lay_out(group)
+            ordered, header, starts, file_size = lay_out(group)
             files.append(FilePlan(component, file_name, file_size, frozen_file))
             first_writer = ordered[0].writers[0][0] if ordered else 0
             parts_by_rank[first_writer].append((file_name, 0, len(header), header, file_size))
@@ -495,7 +394,7 @@ def _group_entries(entries: Sequence[_Entry], max_shard_size: int, shared_files:
         for entry in entries:
             by_rank.setdefault(entry.writers[0][0], []).append(entry)
         runs = [by_rank[rank] for rank in sorted(by_rank)]
-    return [g for run in runs for g in _buckets(run, [e.nbytes for e in run], max_shard_size) if g]
+    return [g for run in runs for g in buckets(run, [e.nbytes for e in run], max_shard_size) if g]
 
 
 def _rank_plan(rank: int, parts: list[_Part]) -> RankPlan:

@@ -20,7 +20,7 @@ from ..formats.names import shard_file_name
 from ..load.reader import CheckpointReader
 from ..options import DEFAULT_MAX_SHARD_SIZE, parse_size
 from ..save.commit import ComponentInfo, claim_step, finalize_checkpoint
-from ..save.plan import WriteItem, bucket_items, plan_file
+from ..save.layout import WriteItem, bucket_items, plan_file
 from ..storage import normalize_location, storage_for
 
 __all__ = ["consolidate"]
