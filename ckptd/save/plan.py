@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -399,7 +400,7 @@ def _group_entries(entries: Sequence[_Entry], max_shard_size: int, shared_files:
 
 def _rank_plan(rank: int, parts: list[_Part]) -> RankPlan:
     """Merge a rank's parts into contiguous pieces and lay them out in its arena."""
-    parts = sorted(parts, key=lambda p: (p[0], p[1]))
+    parts = sorted(parts, key=operator.itemgetter(0, 1))  # by file, then offset (stable)
     pieces: list[Piece] = []
     cursor = 0
     first = 0
