@@ -8,15 +8,21 @@ listing and removed by :func:`collect_garbage` once their owner is gone.
 from __future__ import annotations
 
 import os
-import re
-import secrets
-import socket
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from .errors import CorruptCheckpointError, StorageError
-from .formats.manifest import MANIFEST_NAME, Manifest
+from .formats.manifest import Manifest
+from .formats.names import (
+    CLAIM_NAME,
+    MANIFEST_NAME,
+    checkpoint_dir_name,
+    host_label,
+    parse_staging_name,
+    parse_step,
+    staging_dir_name,
+)
 from .storage import Storage, base_name
 
 __all__ = [
@@ -32,8 +38,6 @@ __all__ = [
     "staging_dir_name",
 ]
 
-_DIR_RE = re.compile(r"^checkpoint-(\d+)$")
-_STAGING_RE = re.compile(r"^\.checkpoint-(\d+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+$")
 _STALE_SECONDS = 24 * 3600
 
 
@@ -48,27 +52,6 @@ class CheckpointInfo:
     @property
     def created_utc(self) -> str:
         return self.manifest.created_utc
-
-
-def checkpoint_dir_name(step: int) -> str:
-    """``checkpoint-000120`` for step 120 (zero-padded so names sort by step)."""
-    return f"checkpoint-{step:06d}"
-
-
-def parse_step(name: str) -> int | None:
-    """The step of a ``checkpoint-<step>`` name, else ``None``."""
-    match = _DIR_RE.match(name)
-    return int(match.group(1)) if match else None
-
-
-def _host() -> str:
-    """This host's name as it appears in staging directory names (no '-', the field separator)."""
-    return socket.gethostname().replace("-", "_") or "host"
-
-
-def staging_dir_name(step: int) -> str:
-    """A hidden, unique staging directory name recording this host and process."""
-    return f".checkpoint-{step:06d}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def read_manifest(storage: Storage, path: str) -> Manifest | None:
@@ -142,15 +125,15 @@ def collect_garbage(storage: Storage, root: str, *, older_than: float = _STALE_S
     if not storage.local:
         return _collect_object_store_garbage(storage, root, older_than)
     removed = []
-    host = _host()
+    host = host_label()
     for name in storage.list_names(root):
-        match = _STAGING_RE.match(name)
-        if not match:
+        staging = parse_staging_name(name)
+        if staging is None:
             continue
         path = storage.join(root, name)
         stale = False
-        if match.group("host") == host:
-            stale = not _pid_alive(int(match.group("pid")))
+        if staging.host == host:
+            stale = not _pid_alive(staging.pid)
         else:
             try:
                 stale = time.time() - os.stat(path).st_mtime > older_than
@@ -163,8 +146,6 @@ def collect_garbage(storage: Storage, root: str, *, older_than: float = _STALE_S
 
 
 def _collect_object_store_garbage(storage: Storage, root: str, older_than: float) -> list[str]:
-    from .save.commit import CLAIM_NAME
-
     removed = []
     for name in storage.list_names(root):
         if parse_step(name) is None:

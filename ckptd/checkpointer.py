@@ -27,10 +27,10 @@ from .catalog import (
     list_checkpoints,
     read_manifest,
 )
-from .dist.group import DistContext, Sharing, group_leader, normalize_sharing
+from .dist.group import DistContext, group_leaders
 from .errors import CheckpointNotFoundError, CkptdError, ConfigError
 from .formats.manifest import Manifest
-from .load.assign import read_components, resolve_component, restore_components
+from .load.assign import read_components, read_keys, restore_components
 from .load.reader import CheckpointReader
 from .options import CheckpointerOptions
 from .request import SaveRequest, SaveResult
@@ -345,7 +345,7 @@ class Checkpointer:
         )
         pickle_ok = self.options.allow_pickle if allow_pickle is None else allow_pickle
         rank = self._dist.rank if self._dist else 0
-        groups = _group_leaders(sharing)
+        groups = group_leaders(sharing)
         if into is not None:
             restore_components(
                 reader,
@@ -360,34 +360,10 @@ class Checkpointer:
             )
             return None
         if keys is not None:
-            return self._load_keys(reader, keys, device=device, verify=verify, rank=rank, groups=groups)
+            return read_keys(reader, keys, device=device, verify=verify, rank=rank, groups=groups)
         return read_components(
             reader, components, device=device, verify=verify, allow_pickle=pickle_ok, rank=rank, groups=groups
         )
-
-    @staticmethod
-    def _load_keys(
-        reader: CheckpointReader,
-        keys: Iterable[str],
-        *,
-        device: Any,
-        verify: bool,
-        rank: int,
-        groups: dict[str, int],
-    ) -> dict[str, Any]:
-        wanted: dict[str, list[str]] = {}
-        names = sorted({c.split("@", 1)[0] for c in reader.components()}, key=len, reverse=True)
-        for qualified in keys:
-            component = next((n for n in names if qualified.startswith(n + ".")), None)
-            if component is None:
-                raise ConfigError(
-                    f"key {qualified!r} must start with a component name and a dot (components: {sorted(names)})"
-                )
-            wanted.setdefault(component, []).append(qualified[len(component) + 1 :])
-        return {
-            c: reader.read(resolve_component(reader, c, rank, groups), ks, device=device, verify=verify)
-            for c, ks in wanted.items()
-        }
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -457,15 +433,6 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root!r})"
-
-
-def _group_leaders(sharing: Mapping[str, Any] | None) -> dict[str, int]:
-    leaders: dict[str, int] = {}
-    for name, value in (sharing or {}).items():
-        pattern, group = normalize_sharing(value)
-        if pattern == Sharing.PER_GROUP:
-            leaders[name] = group_leader(group)
-    return leaders
 
 
 def _register_atexit(checkpointer: Checkpointer) -> Any:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,19 +19,24 @@ import torch
 from .._version import __version__
 from ..catalog import apply_retention, checkpoint_dir_name, latest_checkpoint, read_manifest
 from ..errors import ConfigError, CorruptCheckpointError, KeyMismatchError
-from ..formats.manifest import MANIFEST_NAME, ComponentRecord, FileRecord, Manifest, TensorRecord, utc_now
-from ..formats.torch_bin import save_bin_bytes
-from ..load.assign import create_sharing_metadata, load_into_module, retie_parameters
-from ..load.reader import (
+from ..formats.manifest import ComponentRecord, FileRecord, Manifest, TensorRecord, utc_now
+from ..formats.names import (
+    MANIFEST_NAME,
+    METRICS_NAME,
     SAFETENSORS_INDEX,
     SAFETENSORS_SINGLE,
     TORCH_BIN_INDEX,
     TORCH_BIN_SINGLE,
-    CheckpointReader,
+    index_file_name,
+    is_seed_shard_name,
+    seed_shard_name,
 )
+from ..formats.torch_bin import save_bin_bytes
+from ..load.assign import create_sharing_metadata, load_into_module, retie_parameters
+from ..load.reader import CheckpointReader
 from ..options import parse_size
 from ..save.flatten import find_tied_groups
-from ..save.plan import WriteItem, bucket_items, describe_tensors, plan_file
+from ..save.layout import WriteItem, bucket_items, describe_tensors, plan_file
 from ..save.tensor_files import write_safetensors_file, write_whole_file
 from ..storage import Storage, check_file_name, is_local, local_path, normalize_location, storage_for
 
@@ -65,8 +69,6 @@ StateDictLike = torch.nn.Module | dict[str, torch.Tensor]
 ShardIndex = dict[str, dict[str, Any]]
 SharingMetadataT = list[list[str]]
 
-_SHARD_RE = re.compile(r"^(?:model|pytorch_model)-\d{5}-of-\d{5}\.(?:safetensors|bin)$")
-
 
 @dataclass(frozen=True)
 class CheckpointMeta:
@@ -82,17 +84,6 @@ def _location(path: str | os.PathLike[str], storage_options: dict[str, Any] | No
     text = os.fspath(path)
     storage = storage_for(text, storage_options)
     return storage, normalize_location(text)
-
-
-def index_file_name(safetensors: bool) -> str:
-    """``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``."""
-    return SAFETENSORS_INDEX if safetensors else TORCH_BIN_INDEX
-
-
-def _shard_name(safetensors: bool, number: int, count: int) -> str:
-    if safetensors:
-        return f"model-{number:05d}-of-{count:05d}.safetensors"
-    return f"pytorch_model-{number:05d}-of-{count:05d}.bin"
 
 
 def _state_of(module: StateDictLike) -> dict[str, torch.Tensor]:
@@ -135,7 +126,7 @@ def make_shard_index(
     weight_map: dict[str, str] = {}
     for number, bucket in enumerate(buckets, start=1):
         for item in bucket:
-            weight_map[item.key] = _shard_name(safetensors, number, len(buckets))
+            weight_map[item.key] = seed_shard_name(safetensors, number, len(buckets))
     index_metadata: dict[str, Any] = {"total_size": total}
     if metadata:
         index_metadata.update(metadata)
@@ -267,7 +258,7 @@ def _group(weight_map: Mapping[str, str]) -> dict[str, list[str]]:
 
 def _remove_stale_shards(storage: Storage, directory: str, keep: set[str]) -> None:
     for name in storage.list_names(directory):
-        if _SHARD_RE.match(name) and name not in keep:
+        if is_seed_shard_name(name) and name not in keep:
             storage.remove(storage.join(directory, name))
 
 
@@ -345,9 +336,6 @@ def validate_checkpoint(path: str) -> bool:
     except (OSError, ValueError, KeyError):
         return False
     return True
-
-
-METRICS_NAME = "metrics.json"
 
 
 # ---- checkpoint management (a model directory with a ``checkpoints/`` folder) ------------------

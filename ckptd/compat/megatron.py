@@ -15,7 +15,7 @@ import torch
 
 from ..dist.optim import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
 from ..dist.sharding import ShardedTensor, validate_sharding
-from ..formats.safetensors import dtype_from_name
+from ..formats.torch_dtypes import dtype_from_name
 from ..load.reader import CheckpointReader
 
 __all__ = [

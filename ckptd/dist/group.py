@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from ..errors import ConfigError, DistributedSaveError
 
-__all__ = ["DistContext", "Sharing", "group_leader", "normalize_sharing", "rank_failure"]
+__all__ = [
+    "group_leaders","DistContext", "Sharing", "group_leader", "normalize_sharing", "rank_failure"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,3 +173,13 @@ def rank_failure(failures: dict[int, str], what: str) -> DistributedSaveError:
     """One error naming every failed rank and its cause."""
     details = "; ".join(f"rank {rank}: {cause}" for rank, cause in sorted(failures.items()))
     return DistributedSaveError(f"{what} failed on rank(s) {sorted(failures)}: {details}", sorted(failures))
+
+
+def group_leaders(sharing: Mapping[str, Any] | None) -> dict[str, int]:
+    """Component name -> leader rank of its group, for the per-group components in ``sharing``."""
+    leaders: dict[str, int] = {}
+    for name, value in (sharing or {}).items():
+        pattern, group = normalize_sharing(value)
+        if pattern == Sharing.PER_GROUP:
+            leaders[name] = group_leader(group)
+    return leaders

@@ -5,8 +5,8 @@
   from ``(axis, rank_offset, fragments)`` triples.
 * DTensors (FSDP2, tensor parallel) are described by their placements.
 * :func:`validate_sharding` checks that the main replicas of every global tensor cover it exactly
-  once; :func:`box_runs` turns the intersection of two boxes into contiguous byte runs, which is
-  all a resharding load needs.
+  once; :func:`paired_runs` turns the intersection of two boxes into contiguous element runs
+  of both, which is all a resharding load needs.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ __all__ = [
     "Box",
     "ChunkInfo",
     "ShardedTensor",
-    "box_runs",
     "paired_runs",
     "describe_dtensor",
     "intersect",
@@ -165,30 +164,6 @@ def intersect(a: Box, b: Box) -> Box | None:
     if any(h <= low for low, h in zip(lo, hi, strict=False)) and a.shape:
         return None
     return Box(lo, tuple(h - low for low, h in zip(lo, hi, strict=False)))
-
-
-def box_runs(chunk: Box, part: Box) -> Iterator[tuple[int, int]]:
-    """Contiguous element runs ``(start, length)`` of ``part`` inside ``chunk`` (row-major order).
-
-    ``part`` must lie inside ``chunk``.  Trailing dimensions that ``part`` spans completely are
-    merged into one run, so a block of whole rows is a single run.
-    """
-    dims = len(chunk.shape)
-    if dims == 0:
-        yield 0, 1
-        return
-    rel = [p - c for p, c in zip(part.offset, chunk.offset, strict=False)]
-    strides = [math.prod(chunk.shape[d + 1 :]) for d in range(dims)]
-    split = dims - 1
-    while split > 0 and rel[split] == 0 and part.shape[split] == chunk.shape[split]:
-        split -= 1
-    run = part.shape[split] * strides[split]
-    if run == 0 or part.numel == 0:
-        return
-    outer = [range(rel[d], rel[d] + part.shape[d]) for d in range(split)]
-    for index in itertools.product(*outer):
-        start = sum(i * strides[d] for d, i in enumerate(index)) + rel[split] * strides[split]
-        yield start, run
 
 
 def _split_dim(box: Box, part: Box) -> int:

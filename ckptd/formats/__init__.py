@@ -1,3 +1,5 @@
-"""Shard file formats: safetensors (written and read) and PyTorch ``.bin`` (seed-compatible)."""
+"""On-disk formats: file names (``names``), safetensors headers (``safetensors``, torch-free) and
+their torch dtypes (``torch_dtypes``), PyTorch ``.bin`` shards (``torch_bin``, seed-compatible),
+the manifest, state file and HF indexes (``manifest``) and CRC32C (``checksum``)."""
 
 __all__: list[str] = []

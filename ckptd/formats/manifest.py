@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -17,20 +16,19 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..storage import check_file_name
+from .names import parse_step
 from .safetensors import DTYPE_ITEMSIZE
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
-    "MANIFEST_NAME",
-    "STATE_NAME",
     "ChunkRecord",
     "ComponentRecord",
     "FileRecord",
     "Manifest",
     "TensorRecord",
     "hf_index",
-    "hf_index_name",
+    "parse_hf_index",
     "parse_state_file",
     "state_file_bytes",
     "utc_now",
@@ -38,20 +36,11 @@ __all__ = [
 
 FORMAT_NAME = "ckptd"
 FORMAT_VERSION = 1
-MANIFEST_NAME = "checkpoint_manifest.json"
-STATE_NAME = "state.json"
 
 
 def utc_now() -> str:
     """The current UTC time in ISO 8601 with a ``Z`` suffix."""
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def hf_index_name(component: str, kind: str = "safetensors") -> str:
-    """``model.safetensors.index.json`` (or ``pytorch_model.bin.index.json`` for ``.bin``)."""
-    if kind == "torch_bin":
-        return "pytorch_model.bin.index.json" if component == "model" else f"{component}.bin.index.json"
-    return f"{component}.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -261,9 +250,6 @@ class Manifest:
         )
 
 
-_REFERENCE_RE = re.compile(r"^checkpoint-\d+$")
-
-
 def _file_json(record: FileRecord) -> dict[str, Any]:
     body: dict[str, Any] = {"size": record.size, "crc32c": record.crc32c}
     if record.checkpoint is not None:
@@ -275,7 +261,7 @@ def _reference(body: dict[str, Any], where: str) -> str | None:
     name = body.get("checkpoint")
     if name is None:
         return None
-    if not isinstance(name, str) or not _REFERENCE_RE.match(name):
+    if not isinstance(name, str) or parse_step(name) is None:
         raise CorruptCheckpointError(f"{where}: file reference {name!r} is not a sibling checkpoint name")
     return name
 
@@ -310,6 +296,28 @@ def hf_index(weight_map: Mapping[str, str], total_size: int, extra_metadata: Map
     return json.dumps({"metadata": metadata, "weight_map": dict(weight_map)}, indent=2, ensure_ascii=False).encode()
 
 
+def parse_hf_index(index: Any, where: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Weight map and tied aliases (``metadata.param_sharing``) of an HF index, given as its JSON
+    bytes or as the loaded object; every file name is checked to stay inside the directory."""
+    if isinstance(index, bytes | bytearray):
+        try:
+            index = json.loads(index)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{where}: index is not valid JSON ({e})") from e
+    try:
+        weight_map = {str(k): check_file_name(str(v), where) for k, v in index["weight_map"].items()}
+        metadata = index.get("metadata") or {}
+        groups = metadata.get("param_sharing") or []
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CorruptCheckpointError(f"{where}: malformed index ({e})") from e
+    aliases: dict[str, str] = {}
+    for group in groups:
+        stored = [k for k in group if k in weight_map]
+        if stored:
+            aliases.update({k: stored[0] for k in group if k not in weight_map})
+    return weight_map, aliases
+
+
 def state_file_bytes(trees: Mapping[str, Any]) -> bytes:
     """The ``state.json`` body: each component's encoded object tree."""
     return json.dumps({"format": "ckptd-state", "version": 1, "components": dict(trees)}, ensure_ascii=False).encode()
@@ -320,8 +328,8 @@ def parse_state_file(data: bytes, where: str) -> dict[str, Any]:
     try:
         body = json.loads(data.decode("utf-8"))
         components = body["components"]
-        if not isinstance(components, dict):
-            raise TypeError("components is not an object")
-        return components
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{where}: malformed state file ({e})") from e
+    if not isinstance(components, dict):
+        raise CorruptCheckpointError(f"{where}: malformed state file (components is not an object)")
+    return components

@@ -1,4 +1,4 @@
-"""The safetensors format: dtype names, header building and strict header parsing.
+"""The safetensors format: dtype sizes, header building and strict header parsing (no torch).
 
 A safetensors file is ``u64 little-endian header length`` + ``JSON header`` (padded with spaces to
 a multiple of 8 bytes) + the data section.  Each header entry gives a tensor's dtype, shape and
@@ -12,72 +12,52 @@ import itertools
 import json
 import math
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
-
-import torch
+from json.encoder import encode_basestring as _json_string  # type: ignore[attr-defined]
+from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedValueError
 
 __all__ = [
     "DTYPE_ITEMSIZE",
     "HEADER_ALIGNMENT",
+    "HEADER_PREFETCH",
     "MAX_HEADER_SIZE",
     "TensorEntry",
     "SafetensorsHeader",
     "build_header",
-    "dtype_from_name",
-    "dtype_name",
+    "header_bytes",
     "parse_header",
     "read_header",
 ]
 
 HEADER_ALIGNMENT = 8
 MAX_HEADER_SIZE = 100 * 1024 * 1024  # the limit the reference implementation enforces
+HEADER_PREFETCH = 64 * 1024  # bytes read at once when a header is read: most headers fit
 
-_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "C64": torch.complex64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "I16": 2,
+    "I32": 4,
+    "I64": 8,
+    "F16": 2,
+    "BF16": 2,
+    "F32": 4,
+    "F64": 8,
+    "C64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2FNUZ": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
 }
-_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
-DTYPE_ITEMSIZE: dict[str, int] = {name: dtype.itemsize for name, dtype in _DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype, key: str = "") -> str:
-    """The safetensors name of a torch dtype (``torch.bfloat16`` → ``"BF16"``)."""
-    try:
-        return _NAMES[dtype]
-    except KeyError:
-        where = f" (tensor {key!r})" if key else ""
-        supported = ", ".join(str(d) for d in _NAMES)
-        raise UnsupportedValueError(
-            f"dtype {dtype}{where} cannot be stored in safetensors; supported: {supported}"
-        ) from None
-
-
-def dtype_from_name(name: str, where: str = "") -> torch.dtype:
-    """The torch dtype of a safetensors dtype name (``"BF16"`` → ``torch.bfloat16``)."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise CorruptCheckpointError(f"unknown safetensors dtype {name!r}{where}") from None
+"""Bytes per element of every safetensors dtype ckptd reads and writes (the torch dtypes they
+stand for are in :mod:`ckptd.formats.torch_dtypes`)."""
 
 
 @dataclass(frozen=True)
@@ -110,15 +90,35 @@ class SafetensorsHeader:
 
 def build_header(entries: Iterable[TensorEntry], metadata: dict[str, str] | None = None) -> bytes:
     """The length prefix and padded JSON header for ``entries`` (data offsets already assigned)."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata if metadata is not None else {"format": "pt"})}
-    for entry in entries:
-        header[entry.key] = {"dtype": entry.dtype, "shape": list(entry.shape), "data_offsets": [entry.start, entry.end]}
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return header_bytes(((e.key, e.dtype, e.shape, e.start, e.end) for e in entries), metadata)
+
+
+def header_bytes(
+    rows: Iterable[tuple[str, str, Sequence[int], int, int]], metadata: dict[str, str] | None = None
+) -> bytes:
+    """:func:`build_header` of ``(key, dtype, shape, start, end)`` rows.
+
+    The JSON is compact (as ``json.dumps`` with ``separators=(",", ":")`` and non-ASCII kept),
+    written row by row: a checkpoint may hold 100,000 tensors and this runs on the save path.
+    """
+    meta = dict(metadata if metadata is not None else {"format": "pt"})
+    parts = ['{"__metadata__":', json.dumps(meta, separators=(",", ":"), ensure_ascii=False)]
+    seen: set[str] = {"__metadata__"}
+    for key, dtype, shape, start, end in rows:
+        if key in seen:
+            raise UnsupportedValueError(f"tensor key {key!r} appears twice in one safetensors header")
+        seen.add(key)
+        dims = ",".join(map(str, shape))
+        parts.append(
+            f',{_json_string(key)}:{{"dtype":{_json_string(dtype)},"shape":[{dims}],"data_offsets":[{start},{end}]}}'
+        )
+    parts.append("}")
+    text = "".join(parts).encode("utf-8")
     padded = text + b" " * (-len(text) % HEADER_ALIGNMENT)
     return struct.pack("<Q", len(padded)) + padded
 
 
-def parse_header(prefix: bytes, header_bytes: bytes, file_size: int | None, name: str) -> SafetensorsHeader:
+def parse_header(prefix: bytes, body: bytes, file_size: int | None, name: str) -> SafetensorsHeader:
     """Validate and parse a header; ``name`` is used in error messages.
 
     Checks: sane length, valid UTF-8 JSON, known dtypes, byte counts matching shapes, offsets in
@@ -127,7 +127,7 @@ def parse_header(prefix: bytes, header_bytes: bytes, file_size: int | None, name
     (length,) = struct.unpack("<Q", prefix)
     data_start = 8 + length
     try:
-        raw = json.loads(header_bytes.decode("utf-8"))
+        raw = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptCheckpointError(f"{name}: safetensors header is not valid JSON ({e})") from e
     if not isinstance(raw, dict):
@@ -170,15 +170,25 @@ def _parse_entry(key: str, info: Any, name: str) -> TensorEntry:
     return TensorEntry(key, dtype, tuple(shape), start, end)
 
 
-def read_header(f: BinaryIO, file_size: int | None, name: str) -> SafetensorsHeader:
-    """Read and parse the header at the start of an open binary file."""
-    prefix = f.read(8)
-    if len(prefix) != 8:
-        raise CorruptCheckpointError(f"{name}: file is too short to be safetensors ({len(prefix)} bytes)")
-    (length,) = struct.unpack("<Q", prefix)
-    if length > MAX_HEADER_SIZE or (file_size is not None and 8 + length > file_size):
-        raise CorruptCheckpointError(f"{name}: safetensors header length {length} is invalid or exceeds the file")
-    header_bytes = f.read(length)
-    if len(header_bytes) != length:
+def read_header(
+    read: Callable[[int, int], bytes], file_size: int, name: str, *, prefetch: int = HEADER_PREFETCH
+) -> SafetensorsHeader:
+    """Read and parse the header of a safetensors file of ``file_size`` bytes.
+
+    ``read(offset, length)`` returns bytes of the file (a local file, a ranged GET...).  The first
+    ``prefetch`` bytes are read at once, so a header that fits in them costs one read; a longer
+    header costs a second.  ``name`` is used in error messages.
+    """
+    head = read(0, min(file_size, prefetch))
+    if len(head) < 8:
+        raise CorruptCheckpointError(f"{name}: file is too short to be safetensors ({file_size} bytes)")
+    (length,) = struct.unpack("<Q", head[:8])
+    if length > MAX_HEADER_SIZE or 8 + length > file_size:
+        raise CorruptCheckpointError(
+            f"{name}: safetensors header length {length} exceeds the file ({file_size} bytes) or the "
+            f"{MAX_HEADER_SIZE}-byte limit: the file is truncated or not safetensors"
+        )
+    body = head[8 : 8 + length] if 8 + length <= len(head) else read(8, length)
+    if len(body) != length:
         raise CorruptCheckpointError(f"{name}: file is truncated inside the safetensors header")
-    return parse_header(prefix, header_bytes, file_size, name)
+    return parse_header(head[:8], body, file_size, name)

@@ -14,11 +14,12 @@ import torch
 
 from ..dist.sharding import is_dtensor
 from ..errors import ConfigError, KeyMismatchError
-from ..formats.safetensors import dtype_from_name
+from ..formats.torch_dtypes import dtype_from_name
 from ..save.flatten import find_tied_groups, restore_tree, tensor_leaves, tree_tensor_keys
 from .reader import CheckpointReader, preview
 
 __all__ = [
+    "read_keys",
     "create_sharing_metadata",
     "load_into_module",
     "read_components",
@@ -263,3 +264,29 @@ def _update_mapping(target: MutableMapping[Any, Any], value: Any) -> None:
             _update_mapping(old, new)
         else:
             target[key] = new
+
+
+def read_keys(
+    reader: CheckpointReader,
+    keys: Iterable[str],
+    *,
+    device: Any,
+    verify: bool,
+    rank: int,
+    groups: dict[str, int],
+) -> dict[str, Any]:
+    """``{component: {key: tensor}}`` for qualified keys (``"model.layers.0.weight"``: component,
+    dot, key), reading only the shards that hold them."""
+    wanted: dict[str, list[str]] = {}
+    names = sorted({c.split("@", 1)[0] for c in reader.components()}, key=len, reverse=True)
+    for qualified in keys:
+        component = next((n for n in names if qualified.startswith(n + ".")), None)
+        if component is None:
+            raise ConfigError(
+                f"key {qualified!r} must start with a component name and a dot (components: {sorted(names)})"
+            )
+        wanted.setdefault(component, []).append(qualified[len(component) + 1 :])
+    return {
+        c: reader.read(resolve_component(reader, c, rank, groups), ks, device=device, verify=verify)
+        for c, ks in wanted.items()
+    }

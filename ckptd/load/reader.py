@@ -1,4 +1,5 @@
-"""Loading: detect the checkpoint format, locate tensors, fetch only the bytes needed.
+"""Loading: detect the checkpoint format and locate tensors (the bytes are read by
+:mod:`ckptd.load.fetch`, only those needed).
 
 Formats, in detection order: a ckptd checkpoint (``checkpoint_manifest.json``), an HF sharded
 safetensors checkpoint (``model.safetensors.index.json``), a single ``model.safetensors``, and
@@ -9,7 +10,6 @@ stay inside the checkpoint directory.  Sizes are checked on every load; CRC32C w
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -20,17 +20,16 @@ from typing import Any
 
 import torch
 
-from ..dist.sharding import Box, ShardedTensor, describe_dtensor, intersect, is_dtensor, paired_runs
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     KeyMismatchError,
-    StorageError,
     UnsafeCheckpointError,
 )
 from ..formats.checksum import crc32c, format_crc
-from ..formats.manifest import MANIFEST_NAME, Manifest, TensorRecord, parse_state_file
-from ..formats.safetensors import DTYPE_ITEMSIZE, SafetensorsHeader, dtype_from_name, dtype_name, parse_header
+from ..formats.manifest import Manifest, TensorRecord, parse_hf_index, parse_state_file
+from ..formats.names import MANIFEST_NAME, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_BIN_INDEX, TORCH_BIN_SINGLE
+from ..formats.safetensors import SafetensorsHeader, read_header
 from ..formats.torch_bin import load_bin, load_bin_bytes
 from ..storage import (
     RangeReader,
@@ -42,35 +41,17 @@ from ..storage import (
     storage_for,
 )
 from .cache import FileCache
+from .fetch import Destination, fetch, fetch_bin, preview
 
 __all__ = [
     "CheckpointReader",
-    "SAFETENSORS_INDEX",
-    "SAFETENSORS_SINGLE",
-    "TORCH_BIN_INDEX",
-    "TORCH_BIN_SINGLE",
     "preview",
-    "tensor_memoryview",
 ]
 
 logger = logging.getLogger(__name__)
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_SINGLE = "model.safetensors"
-TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
-TORCH_BIN_SINGLE = "pytorch_model.bin"
-_READ_THREADS = 4
-_READ_SLICE = 32 * 1024 * 1024
-_HEADER_PREFETCH = 64 * 1024
+_VERIFY_THREADS = 4
 _VERIFY_CHUNK = 16 * 1024 * 1024
-
-
-def tensor_memoryview(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (the tensor must stay alive)."""
-    if tensor.numel() == 0:
-        return memoryview(bytearray(0))
-    buffer = (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
-    return memoryview(buffer).cast("B")
 
 
 @dataclass(frozen=True)
@@ -195,7 +176,7 @@ class CheckpointReader:
         cls, directory: str, index: Mapping[str, Any], kind: str, storage_options: dict[str, Any] | None = None
     ) -> CheckpointReader:
         """A reader over a directory (or URL) driven by an already loaded HF index."""
-        weight_map, aliases = _parse_index(index, directory)
+        weight_map, aliases = parse_hf_index(index, directory)
         storage = storage_for(directory, storage_options)
         directory = normalize_location(directory)
         label = "hf_sharded" if kind == "safetensors" else "torch_bin_sharded"
@@ -278,17 +259,9 @@ class CheckpointReader:
     def _header(self, file_name: str) -> SafetensorsHeader:
         header = self._headers.get(file_name)
         if header is None:
-            path = self._path(file_name)
             reader = self._open(file_name)
             try:
-                head = reader.read(0, min(reader.size, _HEADER_PREFETCH))
-                if len(head) < 8:
-                    raise CorruptCheckpointError(f"{path}: file is too short to be safetensors ({reader.size} bytes)")
-                length = int.from_bytes(head[:8], "little")
-                if 8 + length > reader.size:
-                    raise CorruptCheckpointError(f"{path}: safetensors header length {length} exceeds the file")
-                body = head[8 : 8 + length] if 8 + length <= len(head) else reader.read(8, length)
-                header = parse_header(head[:8], body, reader.size, path)
+                header = read_header(reader.read, reader.size, self._path(file_name))
             finally:
                 reader.close()
             self._headers[file_name] = header
@@ -333,7 +306,7 @@ class CheckpointReader:
         if self.manifest is None:
             return
         names = [n for n in (self.manifest.files if files is None else dict.fromkeys(files)) if n not in self._verified]
-        with ThreadPoolExecutor(min(_READ_THREADS, max(1, len(names)))) as pool:
+        with ThreadPoolExecutor(min(_VERIFY_THREADS, max(1, len(names)))) as pool:
             list(pool.map(self._verify_file, names))
         self._verified.update(names)
 
@@ -392,15 +365,15 @@ class CheckpointReader:
                 stored_targets[key] = targets[alias]
         if source.kind == "torch_bin":
             files = sorted({source.weight_map[k] for k in stored})
-            destinations = self._read_bin(files, stored, stored_targets)
+            destinations = fetch_bin(files, stored, stored_targets, self._load_bin, where=self.directory)
         else:
             records = self.locate(component, stored)
             if verify:
                 self.verify(sorted({f for record in records.values() for f in record.files}))
             destinations = {
-                key: _Destination.make(key, records[key], stored_targets.get(key), self.directory) for key in stored
+                key: Destination.make(key, records[key], stored_targets.get(key), self.directory) for key in stored
             }
-            self._fetch(records, destinations)
+            fetch(records, destinations, self._open, self._path, local=self.storage.local, where=self.directory)
         device = torch.device(device)
         loaded: dict[str, Any] = {}
         for key, destination in destinations.items():
@@ -410,181 +383,21 @@ class CheckpointReader:
             loaded[key] = value
         return {key: loaded[source.aliases.get(key, key)] for key in requested}
 
-    def _fetch(self, records: Mapping[str, TensorRecord], destinations: Mapping[str, _Destination]) -> None:
-        """Read, for every destination, the byte runs of each stored chunk overlapping it."""
-        requests: dict[str, list[tuple[int, memoryview]]] = {}
-        for key, destination in destinations.items():
-            record = records[key]
-            itemsize = DTYPE_ITEMSIZE[record.dtype]
-            view = tensor_memoryview(destination.buffer)
-            covered = 0
-            for chunk in record.chunks:
-                chunk_box = Box(chunk.offset, chunk.shape)
-                overlap = intersect(chunk_box, destination.box)
-                if overlap is None or overlap.numel == 0:
-                    continue
-                covered += overlap.numel
-                for src, dst, length in paired_runs(chunk_box, destination.box, overlap):
-                    requests.setdefault(chunk.file, []).append(
-                        (chunk.start + src * itemsize, view[dst * itemsize : (dst + length) * itemsize])
-                    )
-            if covered != destination.box.numel:
-                raise CorruptCheckpointError(
-                    f"{self.directory}: the stored pieces of {key!r} cover {covered} of the "
-                    f"{destination.box.numel} elements asked for"
-                )
-
-        readers: dict[str, RangeReader] = {}
-        try:
-            for file_name, wanted in sorted(requests.items()):
-                reader = readers[file_name] = self._open(file_name)
-                end = max(offset + len(buffer) for offset, buffer in wanted)
-                if end > reader.size:
-                    raise CorruptCheckpointError(
-                        f"{self._path(file_name)}: file is truncated: {end} bytes needed, the file has {reader.size}"
-                    )
-            # Local files: positional reads from several threads (preadv drops the GIL), large
-            # tensors cut into slices, so one big shard is read in parallel too.  Remote
-            # readers batch, coalesce and parallelise one file's ranges themselves.
-            tasks: list[tuple[str, list[tuple[int, memoryview]]]] = []
-            for file_name, wanted in sorted(requests.items()):
-                if self.storage.local:
-                    tasks.extend((file_name, [piece]) for piece in _slices(wanted, _READ_SLICE))
-                else:
-                    tasks.append((file_name, wanted))
-
-            def run(task: tuple[str, list[tuple[int, memoryview]]]) -> None:
-                file_name, wanted = task
-                try:
-                    readers[file_name].read_many(wanted)
-                except StorageError as e:
-                    raise CorruptCheckpointError(f"{self._path(file_name)}: cannot read tensors: {e}") from e
-
-            if len(tasks) > 1:
-                with ThreadPoolExecutor(min(_READ_THREADS, len(tasks)), thread_name_prefix="ckptd-read") as pool:
-                    list(pool.map(run, tasks))
-            else:
-                for task in tasks:
-                    run(task)
-        finally:
-            for reader in readers.values():
-                reader.close()
-
     def _load_bin(self, file_name: str) -> dict[str, torch.Tensor]:
         path = self._path(file_name)
         if self.storage.local:
             return load_bin(path)
         return load_bin_bytes(self.storage.read_bytes(path), path)
 
-    def _read_bin(self, files: list[str], keys: list[str], targets: Mapping[str, Any]) -> dict[str, _Destination]:
-        out: dict[str, _Destination] = {}
-        wanted = set(keys)
-        for file_name in files:
-            for key, tensor in self._load_bin(file_name).items():
-                if key not in wanted:
-                    continue
-                record = TensorRecord.whole(dtype_name(tensor.dtype, key), tuple(tensor.shape), file_name, 0, 0)
-                destination = _Destination.make(key, record, targets.get(key), self.directory)
-                with torch.no_grad():
-                    destination.buffer.copy_(tensor[destination.box.slices()])
-                out[key] = destination
-        absent = wanted - set(out)
-        if absent:
-            raise CorruptCheckpointError(
-                f"{self.directory}: index lists {preview(sorted(absent))} but the shards lack them"
-            )
-        return out
-
 
 def _read_index(storage: Storage, where: str) -> tuple[dict[str, str], dict[str, str]]:
-    try:
-        index = json.loads(storage.read_bytes(where))
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{where}: index is not valid JSON ({e})") from e
-    return _parse_index(index, where)
-
-
-def _parse_index(index: Any, where: str) -> tuple[dict[str, str], dict[str, str]]:
-    """Weight map and tied aliases (``metadata.param_sharing``) of an HF index."""
-    try:
-        weight_map = {str(k): check_file_name(str(v), where) for k, v in index["weight_map"].items()}
-        metadata = index.get("metadata") or {}
-        groups = metadata.get("param_sharing") or []
-    except (KeyError, TypeError, AttributeError) as e:
-        raise CorruptCheckpointError(f"{where}: malformed index ({e})") from e
-    aliases: dict[str, str] = {}
-    for group in groups:
-        stored = [k for k in group if k in weight_map]
-        if stored:
-            aliases.update({k: stored[0] for k in group if k not in weight_map})
-    return weight_map, aliases
-
-
-@dataclass
-class _Destination:
-    """Where one tensor's bytes land: ``buffer`` (contiguous, CPU, stored dtype, ``box`` shape),
-    then copied into ``target`` when that is not the buffer itself; ``result`` is what the read
-    returns for the key."""
-
-    key: str
-    box: Box
-    buffer: torch.Tensor
-    target: torch.Tensor | None
-    result: Any
-
-    @classmethod
-    def make(cls, key: str, record: TensorRecord, target: Any, where: str) -> _Destination:
-        dtype = dtype_from_name(record.dtype, f" for tensor {key!r} in {where}")
-        if target is None:
-            buffer = torch.empty(record.shape, dtype=dtype)
-            return cls(key, Box((0,) * len(record.shape), record.shape), buffer, None, buffer)
-        local, box, result = _target_region(target, record, key, where)
-        direct = local.device.type == "cpu" and local.dtype == dtype and local.is_contiguous()
-        buffer = local if direct else torch.empty(box.shape, dtype=dtype)
-        return cls(key, box, buffer, None if direct else local, result)
-
-    def finish(self) -> Any:
-        if self.target is not None:
-            with torch.no_grad():
-                self.target.copy_(self.buffer)
-        return self.result
-
-
-def _target_region(target: Any, record: TensorRecord, key: str, where: str) -> tuple[torch.Tensor, Box, Any]:
-    """``(local tensor, its box in the global tensor, value to return)`` of a load target."""
-    result: Any = target
-    if isinstance(target, ShardedTensor):
-        if target.data is None:
-            raise KeyMismatchError(f"sharded target {key!r} has no data to load into")
-        local, global_shape, offset = target.data, target.global_shape, target.global_offset
-    elif is_dtensor(target):
-        local, global_shape, offset, _ = describe_dtensor(target)
-    elif isinstance(target, torch.Tensor):
-        local, global_shape, offset = target, tuple(target.shape), (0,) * target.dim()
-    else:
-        raise KeyMismatchError(f"cannot load {key!r} into a {type(target).__name__}")
-    if tuple(global_shape) != tuple(record.shape):
-        raise KeyMismatchError(
-            f"size mismatch for {key!r}: checkpoint {where} has shape {tuple(record.shape)}, "
-            f"the target has {tuple(global_shape)}"
-        )
-    return local, Box(tuple(offset), tuple(local.shape)), result
+    return parse_hf_index(storage.read_bytes(where), where)
 
 
 def _is_single_file(storage: Storage, path: str) -> bool:
     if storage.local:
         return os.path.isfile(path)
     return path.endswith((".safetensors", ".bin")) and storage.exists(path)
-
-
-def _slices(requests: list[tuple[int, memoryview]], size: int) -> list[tuple[int, memoryview]]:
-    """The same byte ranges, with every range longer than ``size`` cut into ``size`` slices."""
-    out = []
-    for offset, buffer in requests:
-        view = buffer.cast("B") if buffer.format != "B" else buffer
-        for start in range(0, len(view), size):
-            out.append((offset + start, view[start : start + size]))
-    return out
 
 
 def _holder(storage: Storage, directory: str, checkpoint: str | None) -> str:
@@ -610,11 +423,3 @@ def _safe_path(storage: Storage, directory: str, name: str, where: str) -> str:
         if os.path.commonpath([real_dir, real]) != real_dir:
             raise UnsafeCheckpointError(f"{path} resolves to {real}, outside the checkpoint directory {real_dir}")
     return path
-
-
-def preview(keys: list[str], limit: int = 5) -> str:
-    """``'a', 'b' and 3 more`` for error messages (``none`` for no keys)."""
-    if not keys:
-        return "none"
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from ..formats.safetensors import dtype_from_name
+from ..errors import WriterError
+from ..formats.torch_dtypes import dtype_from_name
 from ..writer.client import InProcessWriter, WriterClient
 from ..writer.shm import SharedSegment
 from .plan import RankPlan
@@ -64,7 +65,10 @@ class StagingArena:
             return
         base = self._require_base()
         if plan.arena_size > self.size:
-            raise ValueError(f"plan needs {plan.arena_size} bytes, arena {self.arena_id} has {self.size}")
+            raise WriterError(
+                f"staging arena {self.arena_id} holds {self.size} bytes but the rank plan needs "
+                f"{plan.arena_size}: the staging pool handed out an arena too small for the plan"
+            )
         views: list[tuple[str, str, str, torch.Tensor]] = []
         for piece in plan.pieces:
             for part in piece.parts:
@@ -92,7 +96,7 @@ class StagingArena:
         returned handle's ``done`` is set once every byte is in the arena.
         """
         if self.plan is None:
-            raise ValueError("arena has no layout")
+            raise WriterError(f"staging arena {self.arena_id} has no layout: call layout(plan) before stage()")
         cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
         cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
         for file_name, component, key, view in self._views:
@@ -149,7 +153,7 @@ class StagingArena:
 
     def _require_base(self) -> torch.Tensor:
         if self._base is None:
-            raise ValueError(f"arena {self.arena_id} is closed")
+            raise WriterError(f"staging arena {self.arena_id} is closed (its Checkpointer was closed)")
         return self._base
 
 
@@ -243,7 +247,9 @@ class StagingPool:
         with self._cond:
             while True:
                 if self._closed:
-                    raise RuntimeError("the staging pool is closed")
+                    raise WriterError(
+                        "the staging pool is closed: the Checkpointer was closed while a save waited for an arena"
+                    )
                 arena = self._pick(plan)
                 if arena is not None:
                     arena.busy = True

@@ -20,23 +20,18 @@ from .._version import __version__
 from ..errors import CheckpointExistsError, WriterError
 from ..formats.checksum import crc32c, format_crc
 from ..formats.manifest import (
-    MANIFEST_NAME,
-    STATE_NAME,
     ComponentRecord,
     FileRecord,
     Manifest,
     TensorRecord,
     hf_index,
-    hf_index_name,
     state_file_bytes,
     utc_now,
 )
+from ..formats.names import CLAIM_NAME, MANIFEST_NAME, STATE_NAME, hf_index_name
 from ..storage import Storage
 
-__all__ = ["CLAIM_NAME", "ComponentInfo", "claim_step", "finalize_checkpoint", "publish", "write_small_file"]
-
-
-CLAIM_NAME = ".ckptd-claim"
+__all__ = ["ComponentInfo", "claim_step", "finalize_checkpoint", "publish", "write_small_file"]
 
 
 def claim_step(storage: Storage, final_dir: str, *, overwrite: bool) -> None:

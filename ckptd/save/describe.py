@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..catalog import staging_dir_name
 from ..dist.group import DistContext, Sharing, group_leader, normalize_sharing, rank_failure
 from ..errors import CheckpointExistsError, ConfigError
-from ..formats.safetensors import dtype_name
+from ..formats.names import staging_dir_name
+from ..formats.torch_dtypes import dtype_name
 from ..storage import Storage
 from .flatten import FlatComponent, flatten_component
 from .plan import LocalTensor

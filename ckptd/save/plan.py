@@ -20,16 +20,20 @@ it is a pure function of all ranks' descriptions:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
-from collections.abc import Iterable, Sequence
+import operator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import NamedTuple
 
 from ..dist.sharding import Box, ChunkInfo, validate_sharding
 from ..errors import ShardingError
 from ..formats.manifest import ChunkRecord, TensorRecord
-from ..formats.safetensors import DTYPE_ITEMSIZE, TensorEntry, build_header, dtype_name
+from ..formats.names import shard_file_name
+from ..formats.safetensors import DTYPE_ITEMSIZE
+from .layout import WriteItem, bucket_items, buckets, describe_tensors, lay_out, plan_file
 
 __all__ = [
     "ARENA_ALIGNMENT",
@@ -44,24 +48,9 @@ __all__ = [
     "describe_tensors",
     "plan_file",
     "plan_save",
-    "shard_file_name",
 ]
 
 ARENA_ALIGNMENT = 4096
-
-
-@dataclass(frozen=True)
-class WriteItem:
-    """An entry of a shard file: its key in the file, dtype and shape."""
-
-    component: str
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -154,94 +143,44 @@ class SavePlan:
     signature: tuple[object, ...] = ()
 
 
-def describe_tensors(component: str, tensors: dict[str, torch.Tensor]) -> list[WriteItem]:
-    """Write items for whole tensors, in the state's order."""
-    return [
-        WriteItem(component, key, dtype_name(t.dtype, f"{component}.{key}"), tuple(t.shape))
-        for key, t in tensors.items()
-    ]
-
-
-def shard_file_name(component: str, index: int, count: int, extension: str = "safetensors") -> str:
-    """HF-style shard name: ``model-00001-of-00003.safetensors``."""
-    return f"{component}-{index:05d}-of-{count:05d}.{extension}"
-
-
-def bucket_items(items: Sequence[WriteItem], max_shard_size: int) -> list[list[WriteItem]]:
-    """Split items, in order, into buckets of at most ``max_shard_size`` bytes (an item larger
-    than the limit gets a bucket of its own, as HF does).  Always returns at least one bucket."""
-    buckets: list[list[WriteItem]] = [[]]
-    filled = 0
-    for item in items:
-        if buckets[-1] and filled + item.nbytes > max_shard_size:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(item)
-        filled += item.nbytes
-    return buckets
-
-
-def _file_order(items: Iterable[WriteItem]) -> list[WriteItem]:
-    indexed = list(enumerate(items))
-    indexed.sort(key=lambda pair: (-DTYPE_ITEMSIZE[pair[1].dtype], pair[0]))
-    return [item for _, item in indexed]
-
-
-@dataclass(frozen=True)
-class FileLayout:
-    """A safetensors file's header and the absolute offset of each entry (by entry key)."""
-
-    component: str
-    file_name: str
-    header: bytes
-    items: tuple[WriteItem, ...]
-    starts: tuple[int, ...]
-
-    @property
-    def size(self) -> int:
-        return len(self.header) + sum(i.nbytes for i in self.items)
-
-    def item_file_offset(self, index: int) -> int:
-        return self.starts[index]
-
-
-def plan_file(component: str, file_name: str, items: Sequence[WriteItem]) -> FileLayout:
-    """The layout of one safetensors file holding ``items`` (reordered for alignment)."""
-    ordered = _file_order(items)
-    entries: list[TensorEntry] = []
-    position = 0
-    for item in ordered:
-        entries.append(TensorEntry(item.key, item.dtype, item.shape, position, position + item.nbytes))
-        position += item.nbytes
-    header = build_header(entries)
-    starts = tuple(len(header) + e.start for e in entries)
-    return FileLayout(component, file_name, header, tuple(ordered), starts)
-
-
 # ---- the global plan ----------------------------------------------------------------------------
 
 
-@dataclass
 class _Logical:
-    component: str
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    holders: list[LocalTensor] = field(default_factory=list)
-    holder_ranks: list[int] = field(default_factory=list)
+    """A logical tensor and every rank's piece of it (mutable scratch of one planning run)."""
+
+    __slots__ = ("component", "dtype", "holder_ranks", "holders", "key", "layout", "owner", "shape")
+
+    def __init__(self, component: str, key: str, dtype: str, shape: tuple[int, ...]) -> None:
+        self.component = component
+        self.key = key
+        self.dtype = dtype
+        self.shape = shape
+        self.holders: list[LocalTensor] = []
+        self.holder_ranks: list[int] = []
+        self.layout = ""  # "whole", "rows" (row blocks of one file entry) or "chunks" (one entry per piece)
+        self.owner = -1  # the rank that writes a whole tensor
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
 
 
-@dataclass(frozen=True)
-class _Entry:
-    """A file entry to write: the item, and who writes which bytes of it."""
+class _Entry(NamedTuple):
+    """A file entry to write, and who writes which bytes of it (a named tuple: there is one per
+    tensor, and planning 100,000 tensors must stay well under a second)."""
 
-    item: WriteItem
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
     writers: tuple[tuple[int, int, int, LocalTensor], ...]  # (rank, byte offset in entry, nbytes, piece)
-    chunk_of: str | None = None  # the logical tensor, when this entry is one stored chunk of it
+    chunk_of: str | None  # the logical tensor, when this entry is one stored chunk of it
+
+
+# A rank's byte range of a file: (file name, file offset, byte count, header bytes or the local
+# tensor whose bytes go there, file size).
+_Part = tuple[str, int, int, "bytes | LocalTensor", int]
 
 
 def plan_save(
@@ -256,101 +195,128 @@ def plan_save(
     ``shared_files`` allows several ranks to write one file (local storage); without it, every
     file has one writer and row-sharded tensors are stored as chunks.  ``separate_frozen`` puts
     frozen tensors in files of their own (after the others), so incremental saves can reuse them.
+    Time is O(n log n) in the number of tensors (the sorts); everything else is linear.
     """
+    with _cyclic_gc_paused():
+        return _plan_save(locals_by_rank, max_shard_size, shared_files, separate_frozen)
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (reference counting still frees everything).
+
+    Planning allocates a few records per tensor and none of them forms a reference cycle, but
+    each allocation counts towards the collector's thresholds: with 100,000 tensors its passes
+    over the growing heap took as long as the planning itself.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan_save(
+    locals_by_rank: Sequence[Sequence[LocalTensor]],
+    max_shard_size: int,
+    shared_files: bool,
+    separate_frozen: bool,
+) -> SavePlan:
     world = len(locals_by_rank)
     logical = _logical_tensors(locals_by_rank)
     _validate(logical)
     loads = [0] * world
     whole: list[_Logical] = []
-    row_sharded: list[_Logical] = []
     chunked: list[_Logical] = []
     for tensor in logical:
-        mains = [t for t in tensor.holders if t.main]
-        if not any(t.sharded for t in tensor.holders) or (len(mains) == 1 and mains[0].is_whole):
+        holders = tensor.holders
+        if len(holders) == 1 and not holders[0].sharded:
+            tensor.layout = "whole"  # the common case, decided without the general tests below
+            whole.append(tensor)
+            continue
+        mains = [t for t in holders if t.main]
+        if not any(t.sharded for t in holders) or (len(mains) == 1 and mains[0].is_whole):
+            tensor.layout = "whole"
             whole.append(tensor)
         elif shared_files and all(t.shape[1:] == tensor.shape[1:] for t in mains) and tensor.shape:
-            row_sharded.append(tensor)
+            tensor.layout = "rows"
         else:
+            tensor.layout = "chunks"
             chunked.append(tensor)
-        for rank, piece in zip(tensor.holder_ranks, tensor.holders, strict=False):
+        for rank, piece in zip(tensor.holder_ranks, holders, strict=True):
             if piece.sharded and piece.main and not (len(mains) == 1 and piece.is_whole):
                 loads[rank] += piece.nbytes
-    owners = _assign_whole(whole, loads, world)
+    _assign_whole(whole, loads, world)
 
     # Entries, in state order, per component.
     entries_by_component: dict[str, list[_Entry]] = {}
     for tensor in logical:
-        bucket = entries_by_component.setdefault(tensor.component, [])
-        item = WriteItem(tensor.component, tensor.key, tensor.dtype, tensor.shape)
-        if tensor in chunked:
-            for rank, piece in zip(tensor.holder_ranks, tensor.holders, strict=False):
+        bucket = entries_by_component.get(tensor.component)
+        if bucket is None:
+            bucket = entries_by_component[tensor.component] = []
+        if tensor.layout == "chunks":
+            for rank, piece in zip(tensor.holder_ranks, tensor.holders, strict=True):
                 if piece.main:
                     chunk_key = f"{tensor.key}@{','.join(map(str, piece.offset))}"
-                    chunk_item = WriteItem(tensor.component, chunk_key, tensor.dtype, piece.shape)
-                    bucket.append(_Entry(chunk_item, ((rank, 0, piece.nbytes, piece),), tensor.key))
-        elif tensor in row_sharded:
+                    nbytes = piece.nbytes
+                    writers = ((rank, 0, nbytes, piece),)
+                    bucket.append(_Entry(chunk_key, tensor.dtype, piece.shape, nbytes, writers, tensor.key))
+        elif tensor.layout == "rows":
             row = math.prod(tensor.shape[1:]) * DTYPE_ITEMSIZE[tensor.dtype]
             writers = tuple(
                 (rank, piece.offset[0] * row, piece.nbytes, piece)
-                for rank, piece in zip(tensor.holder_ranks, tensor.holders, strict=False)
+                for rank, piece in zip(tensor.holder_ranks, tensor.holders, strict=True)
                 if piece.main
             )
-            bucket.append(_Entry(item, writers))
+            bucket.append(_Entry(tensor.key, tensor.dtype, tensor.shape, tensor.nbytes, writers, None))
         else:
-            rank = owners[(tensor.component, tensor.key)]
-            piece = tensor.holders[tensor.holder_ranks.index(rank)]
-            bucket.append(_Entry(item, ((rank, 0, item.nbytes, piece),)))
+            rank = tensor.owner
+            piece = tensor.holders[0] if world == 1 else tensor.holders[tensor.holder_ranks.index(rank)]
+            nbytes = tensor.nbytes
+            bucket.append(_Entry(tensor.key, tensor.dtype, tensor.shape, nbytes, ((rank, 0, nbytes, piece),), None))
 
-    frozen_keys = {(t.component, t.key) for t in logical if all(h.frozen for h in t.holders)}
-    layouts: list[tuple[FileLayout, dict[str, _Entry], bool]] = []
-    for component, entries in entries_by_component.items():
-
-        def is_frozen(entry: _Entry, component: str = component) -> bool:
-            return (component, entry.chunk_of or entry.item.key) in frozen_keys
-
-        groups: list[tuple[list[_Entry], bool]] = []
-        for frozen_group in (False, True) if separate_frozen else (None,):
-            members = [e for e in entries if frozen_group is None or is_frozen(e) == frozen_group]
-            groups.extend((g, frozen_group is True) for g in _group_entries(members, max_shard_size, shared_files))
-        for number, (group, frozen_file) in enumerate(groups, start=1):
-            name = shard_file_name(component, number, len(groups))
-            layout = plan_file(component, name, [e.item for e in group])
-            layouts.append((layout, {e.item.key: e for e in group}, frozen_file))
-
-    parts_by_rank: list[list[tuple[str, int, PiecePart, int]]] = [[] for _ in range(world)]
-    tensors: dict[str, dict[str, TensorRecord]] = {}
+    # Files: per component, entries bucketed into shards (frozen tensors apart when asked).
+    frozen_keys = (
+        {(t.component, t.key) for t in logical if all(h.frozen for h in t.holders)} if separate_frozen else set()
+    )
     files: list[FilePlan] = []
+    parts_by_rank: list[list[_Part]] = [[] for _ in range(world)]
+    tensors: dict[str, dict[str, TensorRecord]] = {}
     chunk_records: dict[tuple[str, str], list[ChunkRecord]] = {}
-    for layout, by_key, frozen_file in layouts:
-        files.append(FilePlan(layout.component, layout.file_name, layout.size, frozen_file))
-        first_writer = by_key[layout.items[0].key].writers[0][0] if layout.items else 0
-        parts_by_rank[first_writer].append(
-            (layout.file_name, 0, PiecePart(0, len(layout.header), header=layout.header), layout.size)
-        )
-        for index, item in enumerate(layout.items):
-            start = layout.item_file_offset(index)
-            entry = by_key[item.key]
-            for rank, offset, nbytes, piece in entry.writers:
-                part = PiecePart(
-                    0, nbytes, component=piece.component, key=piece.key, dtype=piece.dtype, shape=piece.shape
-                )
-                parts_by_rank[rank].append((layout.file_name, start + offset, part, layout.size))
-            if entry.chunk_of is not None:
-                piece = entry.writers[0][3]
-                chunk_records.setdefault((item.component, entry.chunk_of), []).append(
-                    ChunkRecord(layout.file_name, start, start + item.nbytes, piece.offset, piece.shape)
-                )
-            else:
-                tensors.setdefault(item.component, {})[item.key] = TensorRecord.whole(
-                    item.dtype, item.shape, layout.file_name, start, start + item.nbytes
-                )
+    for component, entries in entries_by_component.items():
+        groups: list[tuple[list[_Entry], bool]] = []
+        if separate_frozen:
+            for frozen_group in (False, True):
+                members = [e for e in entries if ((component, e.chunk_of or e.key) in frozen_keys) == frozen_group]
+                groups.extend((g, frozen_group) for g in _group_entries(members, max_shard_size, shared_files))
+        else:
+            groups.extend((g, False) for g in _group_entries(entries, max_shard_size, shared_files))
+        records = tensors.setdefault(component, {})
+        for number, (group, frozen_file) in enumerate(groups, start=1):
+            file_name = shard_file_name(component, number, len(groups))
+            ordered, header, starts, file_size = lay_out(group)
+            files.append(FilePlan(component, file_name, file_size, frozen_file))
+            first_writer = ordered[0].writers[0][0] if ordered else 0
+            parts_by_rank[first_writer].append((file_name, 0, len(header), header, file_size))
+            for entry, start in zip(ordered, starts, strict=True):
+                for rank, offset, nbytes, piece in entry.writers:
+                    parts_by_rank[rank].append((file_name, start + offset, nbytes, piece, file_size))
+                end = start + entry.nbytes
+                if entry.chunk_of is not None:
+                    piece = entry.writers[0][3]
+                    chunk_records.setdefault((component, entry.chunk_of), []).append(
+                        ChunkRecord(file_name, start, end, piece.offset, piece.shape)
+                    )
+                else:
+                    records[entry.key] = TensorRecord.whole(entry.dtype, entry.shape, file_name, start, end)
     for tensor in chunked:
         chunks = sorted(chunk_records[(tensor.component, tensor.key)], key=lambda c: c.offset)
-        tensors.setdefault(tensor.component, {})[tensor.key] = TensorRecord(tensor.dtype, tensor.shape, tuple(chunks))
-    ordered_tensors = {
-        component: {t.key: tensors[component][t.key] for t in logical if t.component == component}
-        for component in entries_by_component
-    }
+        tensors[tensor.component][tensor.key] = TensorRecord(tensor.dtype, tensor.shape, tuple(chunks))
+    ordered_tensors: dict[str, dict[str, TensorRecord]] = {component: {} for component in entries_by_component}
+    for tensor in logical:
+        ordered_tensors[tensor.component][tensor.key] = tensors[tensor.component][tensor.key]
     rank_plans = tuple(_rank_plan(rank, parts) for rank, parts in enumerate(parts_by_rank))
     signature = (max_shard_size, shared_files, separate_frozen, tuple(tuple(local) for local in locals_by_rank))
     return SavePlan(world, tuple(files), rank_plans, ordered_tensors, signature)
@@ -372,6 +338,8 @@ def _logical_tensors(locals_by_rank: Sequence[Sequence[LocalTensor]]) -> list[_L
 def _validate(logical: Sequence[_Logical]) -> None:
     chunks: list[ChunkInfo] = []
     for tensor in logical:
+        if len(tensor.holders) == 1 and not tensor.holders[0].sharded:
+            continue  # one plain tensor on one rank: nothing to compare
         sharded = any(t.sharded for t in tensor.holders)
         for rank, piece in zip(tensor.holder_ranks, tensor.holders, strict=False):
             if not sharded:
@@ -393,11 +361,13 @@ def _validate(logical: Sequence[_Logical]) -> None:
     validate_sharding(chunks)
 
 
-def _assign_whole(whole: Sequence[_Logical], loads: list[int], world: int) -> dict[tuple[str, str], int]:
-    """Pick one writer per replicated tensor: contiguous runs per rank, balancing total bytes."""
-    owners: dict[tuple[str, str], int] = {}
+def _assign_whole(whole: Sequence[_Logical], loads: list[int], world: int) -> None:
+    """Pick one writer (``owner``) per replicated tensor: contiguous runs per rank, balancing
+    total bytes."""
     if world == 1:
-        return {(t.component, t.key): 0 for t in whole}
+        for tensor in whole:
+            tensor.owner = 0
+        return
     total = sum(t.nbytes for t in whole) + sum(loads)
     targets = [max(0, total // world - load) for load in loads]
     assigned = [0] * world
@@ -412,58 +382,56 @@ def _assign_whole(whole: Sequence[_Logical], loads: list[int], world: int) -> di
             rank = current
         else:
             rank = min(holders, key=lambda r: (loads[r] + assigned[r], r))
-        owners[(tensor.component, tensor.key)] = rank
+        tensor.owner = rank
         assigned[rank] += tensor.nbytes
-    return owners
 
 
 def _group_entries(entries: Sequence[_Entry], max_shard_size: int, shared_files: bool) -> list[list[_Entry]]:
     """Bucket entries into files: in state order when files may be shared, else per writer rank."""
     if shared_files:
-        groups: list[list[_Entry]] = []
-        for bucket in bucket_items([e.item for e in entries], max_shard_size):
-            by_key = {e.item.key: e for e in entries}
-            groups.append([by_key[i.key] for i in bucket])
-        return [g for g in groups if g] or []
-    by_rank: dict[int, list[_Entry]] = {}
-    for entry in entries:
-        by_rank.setdefault(entry.writers[0][0], []).append(entry)
-    groups = []
-    for rank in sorted(by_rank):
-        by_key = {e.item.key: e for e in by_rank[rank]}
-        for bucket in bucket_items([e.item for e in by_rank[rank]], max_shard_size):
-            groups.append([by_key[i.key] for i in bucket])
-    return [g for g in groups if g]
+        runs = [list(entries)]
+    else:
+        by_rank: dict[int, list[_Entry]] = {}
+        for entry in entries:
+            by_rank.setdefault(entry.writers[0][0], []).append(entry)
+        runs = [by_rank[rank] for rank in sorted(by_rank)]
+    return [g for run in runs for g in buckets(run, [e.nbytes for e in run], max_shard_size) if g]
 
 
-def _rank_plan(rank: int, parts: list[tuple[str, int, PiecePart, int]]) -> RankPlan:
+def _rank_plan(rank: int, parts: list[_Part]) -> RankPlan:
     """Merge a rank's parts into contiguous pieces and lay them out in its arena."""
-    parts = sorted(parts, key=lambda p: (p[0], p[1]))
+    parts = sorted(parts, key=operator.itemgetter(0, 1))  # by file, then offset (stable)
     pieces: list[Piece] = []
     cursor = 0
-    run: list[tuple[str, int, PiecePart, int]] = []
-
-    def flush() -> None:
-        nonlocal cursor
-        if not run:
-            return
-        file_name, start, _, file_size = run[0]
-        end = run[-1][1] + run[-1][2].nbytes
+    first = 0
+    for index in range(1, len(parts) + 1):
+        if index < len(parts):
+            previous, part = parts[index - 1], parts[index]
+            if part[0] == previous[0] and part[1] == previous[1] + previous[2]:
+                continue
+        run = parts[first:index]
+        first = index
+        file_name, start, _, _, file_size = run[0]
+        end = run[-1][1] + run[-1][2]
         arena_offset = -(-cursor // ARENA_ALIGNMENT) * ARENA_ALIGNMENT + start % ARENA_ALIGNMENT
-        members = tuple(
-            PiecePart(offset - start, part.nbytes, part.header, part.component, part.key, part.dtype, part.shape)
-            for _, offset, part, _ in run
+        pieces.append(
+            Piece(
+                file_name,
+                start,
+                end - start,
+                arena_offset,
+                tuple([_piece_part(offset - start, nbytes, what) for _, offset, nbytes, what, _ in run]),
+                start == 0 and end == file_size,
+            )
         )
-        pieces.append(Piece(file_name, start, end - start, arena_offset, members, start == 0 and end == file_size))
         cursor = arena_offset + end - start
-        run.clear()
-
-    for part in parts:
-        if run and (part[0] != run[-1][0] or part[1] != run[-1][1] + run[-1][2].nbytes):
-            flush()
-        run.append(part)
-    flush()
     # The parts (header bytes, component, key, dtype, shape) belong to the signature: an arena laid
     # out for other key names of the same sizes must be laid out again, or it stages stale keys.
     signature = tuple((p.file_name, p.file_offset, p.size, p.arena_offset, p.parts) for p in pieces)
     return RankPlan(rank, tuple(pieces), max(cursor, ARENA_ALIGNMENT), signature)
+
+
+def _piece_part(offset: int, nbytes: int, what: bytes | LocalTensor) -> PiecePart:
+    if isinstance(what, bytes):
+        return PiecePart(offset, nbytes, what)
+    return PiecePart(offset, nbytes, b"", what.component, what.key, what.dtype, what.shape)

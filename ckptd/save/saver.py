@@ -24,7 +24,8 @@ from ..catalog import apply_retention
 from ..dist.group import DistContext
 from ..errors import CheckpointExistsError, CorruptCheckpointError, WriterError
 from ..formats.checksum import crc32c_combine, format_crc
-from ..formats.manifest import MANIFEST_NAME, FileRecord, Manifest
+from ..formats.manifest import FileRecord, Manifest
+from ..formats.names import MANIFEST_NAME
 from ..options import CheckpointerOptions
 from ..request import SaveRequest, SaveResult
 from ..storage import Storage

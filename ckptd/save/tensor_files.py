@@ -13,9 +13,9 @@ import torch
 
 from ..formats.checksum import crc32c, format_crc
 from ..formats.manifest import FileRecord
-from ..load.reader import tensor_memoryview
+from ..load.fetch import tensor_memoryview
 from ..storage import Storage
-from .plan import FileLayout, WriteItem, describe_tensors, plan_file
+from .layout import FileLayout, WriteItem, describe_tensors, plan_file
 
 __all__ = ["write_layout", "write_safetensors_file", "write_whole_file"]
 

@@ -13,11 +13,13 @@ import time
 from typing import Any
 
 from .._version import __version__
+from ..errors import CheckpointNotFoundError
 from ..formats.manifest import FileRecord, Manifest, TensorRecord
+from ..formats.names import shard_file_name
 from ..load.reader import CheckpointReader
 from ..options import DEFAULT_MAX_SHARD_SIZE, parse_size
 from ..save.commit import ComponentInfo, claim_step, finalize_checkpoint
-from ..save.plan import WriteItem, bucket_items, plan_file, shard_file_name
+from ..save.layout import WriteItem, bucket_items, plan_file
 from ..save.tensor_files import write_layout
 from ..storage import normalize_location, storage_for
 
@@ -42,7 +44,7 @@ def consolidate(
     reader = CheckpointReader.open(source, storage_options, require_manifest=True)
     manifest = reader.manifest
     if manifest is None:  # pragma: no cover - require_manifest guarantees it
-        raise ValueError("not a ckptd checkpoint")
+        raise CheckpointNotFoundError(f"{source}: not a committed ckptd checkpoint (no manifest)")
     if verify:
         reader.verify()
     limit = parse_size(max_shard_size, "max_shard_size")

@@ -405,7 +405,12 @@ class InProcessWriter:
         return self._pool.submit(self._write, request)
 
     def _write(self, request: WriteFiles) -> Message:
-        segment = self._arenas[request.arena_id]
+        segment = self._arenas.get(request.arena_id)
+        if segment is None:
+            raise WriterError(
+                f"write request names staging arena {request.arena_id}, which is not attached to the "
+                f"in-process writer (attached: {sorted(self._arenas)})"
+            )
         view = segment.view()
         self._busy = True
         try:

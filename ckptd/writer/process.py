@@ -25,7 +25,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 from .._version import __version__
-from ..errors import StorageError
+from ..errors import StorageError, WriterError
 from ..storage import Stopped, storage_for
 from .protocol import (
     PROTOCOL_VERSION,
@@ -155,7 +155,10 @@ class _Writer:
     def _write(self, request: WriteFiles) -> FilesWritten:
         segment = self.arenas.get(request.arena_id)
         if segment is None:
-            raise RuntimeError(f"arena {request.arena_id} is not attached to the writer")
+            raise WriterError(
+                f"write request {request.request_id} names staging arena {request.arena_id}, "
+                f"which is not attached to the writer (attached: {sorted(self.arenas)})"
+            )
         view = segment.view()
         try:
             return write_files(

@@ -15,7 +15,7 @@ import mmap
 import os
 import secrets
 
-from ..errors import StorageError
+from ..errors import StorageError, WriterError
 
 __all__ = ["SharedSegment"]
 
@@ -39,16 +39,19 @@ class SharedSegment:
         size = max(size, mmap.PAGESIZE)
         fd = _create_fd(label)
         try:
-            os.ftruncate(fd, size)
-            if hasattr(os, "posix_fallocate"):
-                # Reserve the memory now: a full /dev/shm is a clear error here instead of a
-                # SIGBUS at the first copy, and the first save page-faults much less.
-                try:
+            try:
+                os.ftruncate(fd, size)
+                if hasattr(os, "posix_fallocate"):
+                    # Reserve the memory now: a full /dev/shm is a clear error here instead of a
+                    # SIGBUS at the first copy, and the first save page-faults much less.
                     os.posix_fallocate(fd, 0, size)
-                except OSError as e:
-                    reason = os.strerror(e.errno) if e.errno else str(e)
-                    message = f"cannot reserve {size} bytes of shared memory for a staging arena: {reason}"
-                    raise StorageError(e.errno or 0, message) from e
+            except OSError as e:
+                reason = os.strerror(e.errno) if e.errno else str(e)
+                raise StorageError(
+                    e.errno or 0,
+                    f"cannot reserve {size} bytes of shared memory ({label}) for a staging arena: {reason}; "
+                    "free memory or /dev/shm, raise the file-size limit (ulimit -f), or lower max_in_flight",
+                ) from e
             return cls(fd, size, populate=populate)
         except BaseException:
             os.close(fd)
@@ -60,7 +63,10 @@ class SharedSegment:
         try:
             actual = os.fstat(fd).st_size
             if actual < size:
-                raise ValueError(f"shared segment is {actual} bytes, expected at least {size}")
+                raise WriterError(
+                    f"the shared-memory segment received (fd {fd}) holds {actual} bytes, "
+                    f"the sender announced {size}: the trainer and the writer disagree on a staging arena"
+                )
             return cls(fd, size)
         except BaseException:
             os.close(fd)
@@ -69,7 +75,7 @@ class SharedSegment:
     def view(self) -> memoryview:
         """A writable memoryview of the whole segment."""
         if self.mmap is None:
-            raise ValueError("segment is closed")
+            raise WriterError(f"shared-memory segment of {self.size} bytes is closed; it has no view")
         return memoryview(self.mmap)
 
     def close(self) -> None:

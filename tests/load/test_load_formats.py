@@ -208,3 +208,26 @@ def test_verify_also_checks_the_state_file(checkpointer):
     assert checkpointer.load(1)["data"]["position"] == 54321
     with pytest.raises(CorruptCheckpointError, match=r"state\.json.*CRC32C"):
         checkpointer.load(1, verify=True)
+
+
+def test_many_small_and_a_few_sliced_tensors_load_exactly(tmp_path, monkeypatch):
+    """Small tensors are read in batches and large ones in slices (both made tiny here, so a
+    few thousand tensors exercise every path): every byte still lands in its own tensor."""
+    import ckptd.load.fetch as fetch
+
+    monkeypatch.setattr(fetch, "_READ_SLICE", 4096)
+    state = {f"t{i}": torch.arange(i % 50, dtype=torch.float32) + i for i in range(3000)}
+    state["big"] = torch.randn(5000, dtype=torch.float64)  # 40,000 bytes: ten slices
+    state["empty"] = torch.zeros(0, 3)
+    ckpt = ckptd.Checkpointer(str(tmp_path / "ckpts"))
+    try:
+        ckpt.save(1, {"model": state})
+        loaded = ckpt.load(1)["model"]
+        targets = {k: torch.full_like(v, -1) for k, v in state.items()}
+        ckpt.load(1, {"model": targets})
+    finally:
+        ckpt.close()
+    assert set(loaded) == set(state)
+    for key, value in state.items():
+        for got in (loaded[key], targets[key]):
+            assert got.dtype == value.dtype and got.shape == value.shape and torch.equal(got, value), key

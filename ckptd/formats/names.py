@@ -1,0 +1,125 @@
+"""Every file and directory name ckptd writes or looks for, in one place.
+
+HF-compatible names (``model-00001-of-00002.safetensors``, ``model.safetensors.index.json``,
+``model.safetensors``, ``pytorch_model.bin`` and their ``.bin`` counterparts), ckptd's own files
+(``checkpoint_manifest.json``, ``state.json``, ``metrics.json``, the object-store claim) and the
+directory names under a checkpoint root (``checkpoint-000120`` and the hidden staging
+directories of saves in progress).  Only names: nothing here touches storage.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import socket
+from dataclasses import dataclass
+
+__all__ = [
+    "CLAIM_NAME",
+    "MANIFEST_NAME",
+    "METRICS_NAME",
+    "SAFETENSORS_INDEX",
+    "SAFETENSORS_SINGLE",
+    "STATE_NAME",
+    "TORCH_BIN_INDEX",
+    "TORCH_BIN_SINGLE",
+    "StagingName",
+    "checkpoint_dir_name",
+    "hf_index_name",
+    "host_label",
+    "index_file_name",
+    "is_seed_shard_name",
+    "parse_staging_name",
+    "parse_step",
+    "seed_shard_name",
+    "shard_file_name",
+    "staging_dir_name",
+]
+
+MANIFEST_NAME = "checkpoint_manifest.json"
+"""The commit record, written last: a directory without it is not a checkpoint."""
+STATE_NAME = "state.json"
+"""The non-tensor state of every component."""
+METRICS_NAME = "metrics.json"
+"""Metrics saved beside a checkpoint (Forgather's ``save_checkpoint_metrics``)."""
+CLAIM_NAME = ".ckptd-claim"
+"""Object stores: the create-only object that claims a checkpoint prefix before any shard."""
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
+TORCH_BIN_SINGLE = "pytorch_model.bin"
+
+_STEP_RE = re.compile(r"^checkpoint-(\d+)$")
+_STAGING_RE = re.compile(r"^\.checkpoint-(?P<step>\d+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+$")
+_SEED_SHARD_RE = re.compile(r"^(?:model|pytorch_model)-\d{5}-of-\d{5}\.(?:safetensors|bin)$")
+
+
+def shard_file_name(component: str, index: int, count: int, extension: str = "safetensors") -> str:
+    """HF-style shard name: ``model-00001-of-00003.safetensors``."""
+    return f"{component}-{index:05d}-of-{count:05d}.{extension}"
+
+
+def hf_index_name(component: str, kind: str = "safetensors") -> str:
+    """``model.safetensors.index.json`` (or ``pytorch_model.bin.index.json`` for ``.bin``)."""
+    if kind == "torch_bin":
+        return TORCH_BIN_INDEX if component == "model" else f"{component}.bin.index.json"
+    return f"{component}.safetensors.index.json"
+
+
+def index_file_name(safetensors: bool) -> str:
+    """``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``."""
+    return SAFETENSORS_INDEX if safetensors else TORCH_BIN_INDEX
+
+
+def seed_shard_name(safetensors: bool, number: int, count: int) -> str:
+    """The seed API's shard names: ``model-00001-of-00002.safetensors`` or
+    ``pytorch_model-00001-of-00002.bin``."""
+    if safetensors:
+        return shard_file_name("model", number, count)
+    return shard_file_name("pytorch_model", number, count, "bin")
+
+
+def is_seed_shard_name(name: str) -> bool:
+    """Whether ``name`` is a shard the seed API writes (either format)."""
+    return _SEED_SHARD_RE.match(name) is not None
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """``checkpoint-000120`` for step 120 (zero-padded so names sort by step)."""
+    return f"checkpoint-{step:06d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a ``checkpoint-<step>`` name, else ``None``."""
+    match = _STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def host_label() -> str:
+    """This host's name as it appears in staging directory names (no '-', the field separator)."""
+    return socket.gethostname().replace("-", "_") or "host"
+
+
+def staging_dir_name(step: int) -> str:
+    """A hidden, unique staging directory name recording this host and process:
+    ``.checkpoint-000120.tmp-<host>-<pid>-<random>``."""
+    return f".{checkpoint_dir_name(step)}.tmp-{host_label()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True)
+class StagingName:
+    """What a staging directory's name says: the step, and the host and process saving it."""
+
+    step: int
+    host: str
+    pid: int
+
+
+def parse_staging_name(name: str) -> StagingName | None:
+    """The parts of a :func:`staging_dir_name`, else ``None``."""
+    match = _STAGING_RE.match(name)
+    if match is None:
+        return None
+    return StagingName(int(match.group("step")), match.group("host"), int(match.group("pid")))

@@ -1,0 +1,231 @@
+"""Fetching tensor bytes: from byte ranges of stored chunks straight into destination memory.
+
+Given where each tensor's pieces live (:class:`~ckptd.formats.manifest.TensorRecord`) and where
+each requested tensor goes (:class:`Destination`: a fresh tensor, or the caller's tensor, DTensor
+or :class:`~ckptd.ShardedTensor`), :func:`fetch` computes the byte runs that overlap each
+destination and reads them in parallel -- local files with positional reads from several
+threads, remote files through their reader's batched, coalesced range requests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..dist.sharding import Box, ShardedTensor, describe_dtensor, intersect, is_dtensor, paired_runs
+from ..errors import CorruptCheckpointError, KeyMismatchError, StorageError
+from ..formats.manifest import TensorRecord
+from ..formats.safetensors import DTYPE_ITEMSIZE
+from ..formats.torch_dtypes import dtype_from_name, dtype_name
+from ..storage import RangeReader
+
+__all__ = ["Destination", "fetch", "fetch_bin", "preview", "tensor_memoryview"]
+
+_READ_THREADS = 4
+_READ_SLICE = 32 * 1024 * 1024
+
+
+def tensor_memoryview(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (the tensor must stay alive)."""
+    if tensor.numel() == 0:
+        return memoryview(bytearray(0))
+    buffer = (ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())
+    return memoryview(buffer).cast("B")
+
+
+@dataclass
+class Destination:
+    """Where one tensor's bytes land: ``buffer`` (contiguous, CPU, stored dtype, ``box`` shape),
+    then copied into ``target`` when that is not the buffer itself; ``result`` is what the read
+    returns for the key."""
+
+    key: str
+    box: Box
+    buffer: torch.Tensor
+    target: torch.Tensor | None
+    result: Any
+
+    @classmethod
+    def make(cls, key: str, record: TensorRecord, target: Any, where: str) -> Destination:
+        dtype = dtype_from_name(record.dtype, f" for tensor {key!r} in {where}")
+        if target is None:
+            buffer = torch.empty(record.shape, dtype=dtype)
+            return cls(key, Box((0,) * len(record.shape), record.shape), buffer, None, buffer)
+        local, box, result = _target_region(target, record, key, where)
+        direct = local.device.type == "cpu" and local.dtype == dtype and local.is_contiguous()
+        buffer = local if direct else torch.empty(box.shape, dtype=dtype)
+        return cls(key, box, buffer, None if direct else local, result)
+
+    def finish(self) -> Any:
+        if self.target is not None:
+            with torch.no_grad():
+                self.target.copy_(self.buffer)
+        return self.result
+
+
+def _target_region(target: Any, record: TensorRecord, key: str, where: str) -> tuple[torch.Tensor, Box, Any]:
+    """``(local tensor, its box in the global tensor, value to return)`` of a load target."""
+    result: Any = target
+    if isinstance(target, ShardedTensor):
+        if target.data is None:
+            raise KeyMismatchError(f"sharded target {key!r} has no data to load into")
+        local, global_shape, offset = target.data, target.global_shape, target.global_offset
+    elif is_dtensor(target):
+        local, global_shape, offset, _ = describe_dtensor(target)
+    elif isinstance(target, torch.Tensor):
+        local, global_shape, offset = target, tuple(target.shape), (0,) * target.dim()
+    else:
+        raise KeyMismatchError(f"cannot load {key!r} into a {type(target).__name__}")
+    if tuple(global_shape) != tuple(record.shape):
+        raise KeyMismatchError(
+            f"size mismatch for {key!r}: checkpoint {where} has shape {tuple(record.shape)}, "
+            f"the target has {tuple(global_shape)}"
+        )
+    return local, Box(tuple(offset), tuple(local.shape)), result
+
+
+def fetch(
+    records: Mapping[str, TensorRecord],
+    destinations: Mapping[str, Destination],
+    open_file: Callable[[str], RangeReader],
+    path_of: Callable[[str], str],
+    *,
+    local: bool,
+    where: str,
+) -> None:
+    """Read, for every destination, the byte runs of each stored chunk overlapping it.
+
+    ``open_file(name)`` opens a file of the checkpoint for ranged reads and ``path_of(name)``
+    says where it is (for messages); ``local`` selects positional reads from several threads;
+    ``where`` names the checkpoint in errors.
+    """
+    requests: dict[str, list[tuple[int, memoryview]]] = {}
+    for key, destination in destinations.items():
+        record = records[key]
+        itemsize = DTYPE_ITEMSIZE[record.dtype]
+        view = tensor_memoryview(destination.buffer)
+        covered = 0
+        if record.is_whole and destination.box.shape == record.shape:
+            # The common case: the whole stored tensor into a whole destination, one run.
+            if record.nbytes:
+                chunk = record.chunks[0]
+                requests.setdefault(chunk.file, []).append((chunk.start, view[: record.nbytes]))
+            continue
+        for chunk in record.chunks:
+            chunk_box = Box(chunk.offset, chunk.shape)
+            overlap = intersect(chunk_box, destination.box)
+            if overlap is None or overlap.numel == 0:
+                continue
+            covered += overlap.numel
+            for src, dst, length in paired_runs(chunk_box, destination.box, overlap):
+                requests.setdefault(chunk.file, []).append(
+                    (chunk.start + src * itemsize, view[dst * itemsize : (dst + length) * itemsize])
+                )
+        if covered != destination.box.numel:
+            raise CorruptCheckpointError(
+                f"{where}: the stored pieces of {key!r} cover {covered} of the "
+                f"{destination.box.numel} elements asked for"
+            )
+
+    readers: dict[str, RangeReader] = {}
+    try:
+        for file_name, wanted in sorted(requests.items()):
+            reader = readers[file_name] = open_file(file_name)
+            end = max(offset + len(buffer) for offset, buffer in wanted)
+            if end > reader.size:
+                raise CorruptCheckpointError(
+                    f"{path_of(file_name)}: file is truncated: {end} bytes needed, the file has {reader.size}"
+                )
+        # Local files: positional reads from several threads (preadv drops the GIL), large
+        # tensors cut into slices, so one big shard is read in parallel too, and small tensors
+        # batched, so 100,000 of them are not 100,000 tasks.  Remote
+        # readers batch, coalesce and parallelise one file's ranges themselves.
+        tasks: list[tuple[str, list[tuple[int, memoryview]]]] = []
+        for file_name, wanted in sorted(requests.items()):
+            if local:
+                tasks.extend((file_name, batch) for batch in _batches(_slices(wanted, _READ_SLICE), _READ_SLICE))
+            else:
+                tasks.append((file_name, wanted))
+
+        def run(task: tuple[str, list[tuple[int, memoryview]]]) -> None:
+            file_name, wanted = task
+            try:
+                readers[file_name].read_many(wanted)
+            except StorageError as e:
+                raise CorruptCheckpointError(f"{path_of(file_name)}: cannot read tensors: {e}") from e
+
+        if len(tasks) > 1:
+            with ThreadPoolExecutor(min(_READ_THREADS, len(tasks)), thread_name_prefix="ckptd-read") as pool:
+                list(pool.map(run, tasks))
+        else:
+            for task in tasks:
+                run(task)
+    finally:
+        for reader in readers.values():
+            reader.close()
+
+
+def _slices(requests: list[tuple[int, memoryview]], size: int) -> list[tuple[int, memoryview]]:
+    """The same byte ranges, with every range longer than ``size`` cut into ``size`` slices."""
+    out = []
+    for offset, buffer in requests:
+        view = buffer.cast("B") if buffer.format != "B" else buffer
+        if len(view) <= size:
+            out.append((offset, view))
+            continue
+        for start in range(0, len(view), size):
+            out.append((offset + start, view[start : start + size]))
+    return out
+
+
+def fetch_bin(
+    files: list[str],
+    keys: list[str],
+    targets: Mapping[str, Any],
+    load: Callable[[str], dict[str, torch.Tensor]],
+    *,
+    where: str,
+) -> dict[str, Destination]:
+    """Destinations for ``keys`` filled from PyTorch ``.bin`` shards (``load(name)`` reads one
+    whole; ``.bin`` files have no byte ranges to fetch)."""
+    out: dict[str, Destination] = {}
+    wanted = set(keys)
+    for file_name in files:
+        for key, tensor in load(file_name).items():
+            if key not in wanted:
+                continue
+            record = TensorRecord.whole(dtype_name(tensor.dtype, key), tuple(tensor.shape), file_name, 0, 0)
+            destination = Destination.make(key, record, targets.get(key), where)
+            with torch.no_grad():
+                destination.buffer.copy_(tensor[destination.box.slices()])
+            out[key] = destination
+    absent = wanted - set(out)
+    if absent:
+        raise CorruptCheckpointError(f"{where}: index lists {preview(sorted(absent))} but the shards lack them")
+    return out
+
+
+def preview(keys: list[str], limit: int = 5) -> str:
+    """``'a', 'b' and 3 more`` for error messages (``none`` for no keys)."""
+    if not keys:
+        return "none"
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def _batches(requests: list[tuple[int, memoryview]], size: int) -> list[list[tuple[int, memoryview]]]:
+    """Consecutive requests grouped into batches of about ``size`` bytes (at least one each)."""
+    batches: list[list[tuple[int, memoryview]]] = []
+    filled = size
+    for request in requests:
+        if filled >= size:
+            batches.append([])
+            filled = 0
+        batches[-1].append(request)
+        filled += len(request[1])
+    return batches
