@@ -27,6 +27,8 @@ __all__ = [
     "apply_retention",
     "checkpoint_dir_name",
     "collect_garbage",
+    "find_leftovers",
+    "Leftover",
     "find_latest_checkpoint",
     "latest_checkpoint",
     "list_checkpoints",
@@ -260,3 +262,63 @@ def load_checkpoint_metrics(checkpoint_path: str) -> dict[str, Any] | None:
         pass
     manifest = read_manifest(storage, path)
     return dict(manifest.metrics) if manifest is not None and manifest.metrics else None
+
+
+# ---- leftovers (what ``ckptd ls`` warns about and ``collect_garbage`` removes) -------------------
+
+_LEFTOVER_RE = re.compile(r"^\.(?P<base>.+)\.(?:tmp|replaced)-")
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """Something under a root that is not a committed checkpoint but looks like save debris.
+
+    ``kind`` is ``"staging"`` (a hidden staging directory), ``"replaced"`` (an overwritten
+    checkpoint not yet removed) or ``"incomplete"`` (a ``checkpoint-<step>`` without a valid
+    manifest).  ``active`` is true when the save that owns it is still running on this host.
+    """
+
+    name: str
+    path: str
+    kind: str
+    nbytes: int
+    files: int
+    active: bool
+
+
+def find_leftovers(storage: Storage, root: str) -> list[Leftover]:
+    """Staging directories, replaced checkpoints and uncommitted ``checkpoint-<step>`` prefixes
+    under ``root`` (nothing is removed; :func:`collect_garbage` does that)."""
+    found = []
+    host = _host()
+    for name in storage.list_names(root):
+        path = storage.join(root, name)
+        staging = _STAGING_RE.match(name)
+        if staging:
+            kind = "staging"
+        elif _LEFTOVER_RE.match(name):
+            kind = "replaced" if ".replaced-" in name else "staging"
+        elif parse_step(name) is not None and read_manifest(storage, path) is None:
+            kind = "incomplete"
+        else:
+            continue
+        active = bool(staging and staging.group("host") == host and _pid_alive(int(staging.group("pid"))))
+        nbytes, files = _tree_size(storage, path)
+        found.append(Leftover(name, path, kind, nbytes, files, active))
+    return found
+
+
+def _tree_size(storage: Storage, path: str) -> tuple[int, int]:
+    """Bytes and file count under a directory (local: the whole tree; object stores: the prefix)."""
+    if not storage.local:
+        sizes = storage.sizes(path)
+        return sum(sizes.values()), len(sizes)
+    total = count = 0
+    for parent, _dirs, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(parent, name)).st_size
+                count += 1
+            except OSError:
+                continue
+    return total, count
