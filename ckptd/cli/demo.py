@@ -97,10 +97,8 @@ def _run(
         start = 0
         latest = ckpt.latest_step()
         if latest is not None:
-            loaded = ckpt.load(
-                latest, into={"model": model, "optimizer": optimizer, "scheduler": scheduler, "rng": RNGState()}
-            )
-            start = int(loaded["progress"]["step"]) if "progress" in loaded else latest
+            ckpt.load(latest, into={"model": model, "optimizer": optimizer, "scheduler": scheduler, "rng": RNGState()})
+            start = latest
             context.say(f"resuming from step {start} (found in {root})")
         context.say(f"{human_size(nbytes)} of parameters (+2x AdamW state), {args.staging} staging")
         requests = []

@@ -143,6 +143,10 @@ def classify(error: BaseException, command: str) -> Failure:
     else:
         code = EXIT_OTHER
     message = _first_line(str(error)) if not isinstance(error, KeyboardInterrupt) else "interrupted"
+    if isinstance(error, OSError) and error.strerror:  # not "[Errno 2] ...: 'path'"
+        message = _first_line(error.strerror)
+        if error.filename and str(error.filename) not in message:
+            message = f"{error.filename}: {message}"
     if code == EXIT_OTHER or not message:
         message = f"{type(error).__name__}: {message}" if message else type(error).__name__
     if _is_cloud_error(error) and "credential" in message.lower():
