@@ -1,0 +1,130 @@
+"""What the commands print and write: ls/gc text, HF and DCP conversions, progress, no library prints."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import REPO, run
+
+import ckptd
+from ckptd.cli.output import Progress
+
+
+def test_ls_has_a_header_sizes_and_a_leftover_warning(tmp_path):
+    root = str(tmp_path / "runs")
+    with ckptd.Checkpointer(root) as ckpt:
+        ckpt.save(3, {"model": {"w": torch.zeros(256)}})
+    stale = os.path.join(root, "checkpoint-000004")  # an object-store style prefix without a manifest
+    os.makedirs(stale)
+    with open(os.path.join(stale, "model-00001-of-00001.safetensors"), "wb") as f:
+        f.write(b"\0" * 2048)
+    out = run("ls", root)
+    assert out.returncode == 0, out.stderr
+    header, committed, leftover = out.stdout.strip().splitlines()
+    assert header.split() == ["STEP", "CREATED", "(UTC)", "WRITTEN", "REFERENCED", "FILES", "STATE", "NAME"]
+    assert committed.split()[0] == "3" and "committed" in committed and committed.endswith("checkpoint-000003")
+    assert "incomplete" in leftover and "2.0 KiB" in leftover
+    (warning,) = out.stderr.strip().splitlines()
+    assert warning.startswith("warning: 1 leftover") and f"ckptd gc {root}" in warning
+    quiet_empty = run("ls", str(tmp_path))
+    assert quiet_empty.returncode == 0 and "no committed checkpoints" in quiet_empty.stdout
+
+
+def test_gc_says_nothing_to_remove(tmp_path):
+    out = run("gc", str(tmp_path))
+    assert out.returncode == 0 and out.stdout.strip() == f"nothing to remove under {tmp_path}"
+
+
+@pytest.mark.hf
+def test_export_hf_with_config_loads_in_from_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    root = str(tmp_path / "runs")
+    with ckptd.Checkpointer(root) as ckpt:
+        path = ckpt.save(5, {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}).path
+    config.save_pretrained(str(tmp_path / "cfg"))
+    hf = str(tmp_path / "hf")
+    out = run("export-hf", path, hf, "--config", str(tmp_path / "cfg" / "config.json"), "--max-shard-size", "40KB")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""  # no progress when stderr is not a terminal
+    names = sorted(os.listdir(hf))
+    assert "config.json" in names and "model.safetensors.index.json" in names
+    assert len([n for n in names if n.startswith("model-")]) > 1
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(hf)
+    for key, value in model.state_dict().items():
+        got = loaded.state_dict()[key]
+        assert got.dtype == value.dtype and got.shape == value.shape and torch.equal(got, value), key
+    back = str(tmp_path / "back")
+    out = run("convert", hf, back)  # HF directory -> ckptd checkpoint
+    assert out.returncode == 0, out.stderr
+    reader = ckptd.CheckpointReader.open(back)
+    assert reader.kind == "ckptd"
+    assert run("verify", back).returncode == 0
+    tensors = reader.read("model")
+    assert torch.equal(tensors["transformer.wte.weight"], model.transformer.wte.weight)
+
+
+def test_convert_from_a_real_dcp_checkpoint(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 8)).sum().backward()
+    optimizer.step()
+    source = str(tmp_path / "dcp")
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 7}
+    with pytest.warns(UserWarning):  # "torch.distributed is ... uninitialized": a single-process save
+        dcp.save(state, checkpoint_id=source, no_dist=True)
+    target = str(tmp_path / "ckptd")
+    out = run("convert", source, target)
+    assert out.returncode == 0, out.stderr
+    loaded = ckptd.Checkpointer(str(tmp_path / "unused")).load(target)
+    assert loaded["step"] == 7
+    for key, value in model.state_dict().items():
+        got = loaded["model"][key]
+        assert got.dtype == value.dtype and got.shape == value.shape and torch.equal(got, value), key
+    momentum = loaded["optim"]["state"]["0"]["momentum_buffer"]  # DCP's own loader keys state by "0"
+    assert torch.equal(momentum, optimizer.state_dict()["state"][0]["momentum_buffer"])
+    hf = str(tmp_path / "hf")
+    out = run("convert", source, hf, "--to", "hf")
+    assert out.returncode == 0, out.stderr
+    from safetensors.torch import load_file
+
+    (shard,) = [n for n in os.listdir(hf) if n.endswith(".safetensors")]
+    tensors = load_file(os.path.join(hf, shard))
+    assert set(tensors) == set(model.state_dict())
+    assert torch.equal(tensors["0.weight"], model[0].weight.detach())
+    index = json.loads(Path(hf, "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == dict.fromkeys(model.state_dict(), shard)
+
+
+def test_progress_draws_only_when_enabled(capsys):
+    quiet = Progress("verify x", 100, enabled=False)
+    quiet.update(50)
+    quiet.close()
+    assert capsys.readouterr().err == ""
+    shown = Progress("verify x", 100, enabled=True)
+    for _ in range(4):
+        shown.update(25)
+    shown.close()
+    err = capsys.readouterr().err
+    assert "verify x" in err and "100" in err
+
+
+def test_library_code_never_prints():
+    """Only the command line prints; the library logs under the ``ckptd`` logger."""
+    offenders = []
+    for path in Path(REPO, "ckptd").rglob("*.py"):
+        if "cli" in path.relative_to(REPO).parts[1:2]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+                offenders.append(f"{path}:{node.lineno}")
+    assert offenders == []
