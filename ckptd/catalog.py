@@ -275,7 +275,9 @@ class Leftover:
 
     ``kind`` is ``"staging"`` (a hidden staging directory), ``"replaced"`` (an overwritten
     checkpoint not yet removed) or ``"incomplete"`` (a ``checkpoint-<step>`` without a valid
-    manifest).  ``active`` is true when the save that owns it is still running on this host.
+    manifest).  ``active`` is true when the save that owns it is still running on this host;
+    ``collectable`` when :func:`collect_garbage` removes it once its owner is gone (staging
+    directories on local disks, unfinished prefixes on object stores); others are left to people.
     """
 
     name: str
@@ -284,6 +286,7 @@ class Leftover:
     nbytes: int
     files: int
     active: bool
+    collectable: bool
 
 
 def find_leftovers(storage: Storage, root: str) -> list[Leftover]:
@@ -304,7 +307,8 @@ def find_leftovers(storage: Storage, root: str) -> list[Leftover]:
             continue
         active = bool(staging and staging.group("host") == host and _pid_alive(int(staging.group("pid"))))
         nbytes, files = _tree_size(storage, path)
-        found.append(Leftover(name, path, kind, nbytes, files, active))
+        collectable = bool(staging) if storage.local else kind == "incomplete"
+        found.append(Leftover(name, path, kind, nbytes, files, active, collectable))
     return found
 
 

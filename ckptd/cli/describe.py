@@ -243,7 +243,7 @@ def _verify(args: argparse.Namespace, context: Context) -> Result:
     def check(name: str) -> None:
         try:
             reader.verify([name])
-        except (CorruptCheckpointError, OSError) as e:
+        except CorruptCheckpointError as e:  # storage errors propagate: they say nothing of the file
             failures[name] = str(e)
         progress.update(manifest.files[name].size)
 

@@ -110,6 +110,7 @@ def _ls(args: argparse.Namespace, context: Context) -> Result:
             "bytes": item.nbytes,
             "files": item.files,
             "active": item.active,
+            "collectable": item.collectable,
         }
         for item in find_leftovers(storage, root)
     ]
@@ -146,13 +147,19 @@ def _render_ls(body: dict[str, Any], context: Context) -> None:
                     for i, (cell, w) in enumerate(zip(row, widths, strict=True))
                 ).rstrip()
             )
-    stale = [item for item in body["leftovers"] if not item["active"]]
+    stale = [item for item in body["leftovers"] if not item["active"] and item["collectable"]]
     if stale:
         total = sum(item["bytes"] for item in stale)
         context.warn(
             f"{len(stale)} leftover(s) of interrupted saves ({human_size(total)}) under {body['root']}; "
             f"'ckptd gc {body['root']}' removes them"
         )
+    for item in body["leftovers"]:
+        if not item["collectable"]:
+            context.warn(
+                f"{item['path']} ({human_size(item['bytes'])}) is not a committed checkpoint and gc leaves it: "
+                "delete it by hand if no save is writing it"
+            )
 
 
 # ---- gc, rm ------------------------------------------------------------------------------------
@@ -165,13 +172,21 @@ def _gc(args: argparse.Namespace, context: Context) -> Result:
     before = {item.path: item for item in find_leftovers(storage, root)}
     removed = collect_garbage(storage, root, older_than=args.older_than)
     kept = [
-        {"path": item.path, "kind": item.kind, "reason": "save in progress" if item.active else "too recent"}
+        {"path": item.path, "kind": item.kind, "reason": _kept_reason(item)}
         for path, item in before.items()
         if path not in removed
     ]
     freed = sum(before[path].nbytes for path in removed if path in before)
     body = {"root": root, "removed": removed, "bytes_freed": freed, "kept": kept}
     return body, _render_gc, EXIT_OK
+
+
+def _kept_reason(item: Any) -> str:
+    if item.active:
+        return "save in progress"
+    if not item.collectable:
+        return "not removed by gc: delete it by hand if no save is writing it"
+    return "too recent (see --older-than)"
 
 
 def _render_gc(body: dict[str, Any], context: Context) -> None:
@@ -182,7 +197,7 @@ def _render_gc(body: dict[str, Any], context: Context) -> None:
     else:
         context.say(f"nothing to remove under {body['root']}")
     for item in body["kept"]:
-        context.note(f"kept {item['path']}: {item['reason']} (see --older-than)")
+        context.note(f"kept {item['path']}: {item['reason']}")
 
 
 def _rm(args: argparse.Namespace, context: Context) -> Result:

@@ -19,18 +19,27 @@ def test_ls_has_a_header_sizes_and_a_leftover_warning(tmp_path):
     root = str(tmp_path / "runs")
     with ckptd.Checkpointer(root) as ckpt:
         ckpt.save(3, {"model": {"w": torch.zeros(256)}})
-    stale = os.path.join(root, "checkpoint-000004")  # an object-store style prefix without a manifest
+    stale = os.path.join(root, ".checkpoint-000004.tmp-otherhost-1-abcd")  # a crashed save's staging dir
     os.makedirs(stale)
     with open(os.path.join(stale, "model-00001-of-00001.safetensors"), "wb") as f:
         f.write(b"\0" * 2048)
+    os.utime(stale, (0, 0))
+    stray = os.path.join(root, "checkpoint-000005")  # no manifest, and not ckptd's staging: gc leaves it
+    os.makedirs(stray)
     out = run("ls", root)
     assert out.returncode == 0, out.stderr
-    header, committed, leftover = out.stdout.strip().splitlines()
+    header, committed, *leftovers = out.stdout.strip().splitlines()
     assert header.split() == ["STEP", "CREATED", "(UTC)", "WRITTEN", "REFERENCED", "FILES", "STATE", "NAME"]
     assert committed.split()[0] == "3" and "committed" in committed and committed.endswith("checkpoint-000003")
-    assert "incomplete" in leftover and "2.0 KiB" in leftover
-    (warning,) = out.stderr.strip().splitlines()
-    assert warning.startswith("warning: 1 leftover") and f"ckptd gc {root}" in warning
+    assert len(leftovers) == 2 and all("incomplete" in line for line in leftovers)
+    assert "2.0 KiB" in leftovers[0] and leftovers[0].endswith(os.path.basename(stale))
+    gc_hint, by_hand = out.stderr.strip().splitlines()
+    assert gc_hint.startswith("warning: 1 leftover") and "(2.0 KiB)" in gc_hint and f"ckptd gc {root}" in gc_hint
+    assert by_hand.startswith(f"warning: {stray} ") and "by hand" in by_hand
+    cleaned = run("gc", root)
+    assert cleaned.returncode == 0 and cleaned.stdout.splitlines()[0] == f"removed {stale}"
+    assert not os.path.exists(stale) and os.path.isdir(stray)
+    assert f"kept {stray}: not removed by gc" in cleaned.stderr
     quiet_empty = run("ls", str(tmp_path))
     assert quiet_empty.returncode == 0 and "no committed checkpoints" in quiet_empty.stdout
 
@@ -128,3 +137,39 @@ def test_library_code_never_prints():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
                 offenders.append(f"{path}:{node.lineno}")
     assert offenders == []
+
+
+def test_demo_prints_its_first_line_before_importing_torch(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    started = time.monotonic()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ckptd",
+            "demo",
+            "--size",
+            "tiny",
+            "--steps",
+            "2",
+            "--every",
+            "1",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    first = process.stdout.readline()
+    waited = time.monotonic() - started
+    rest, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    assert first.startswith("ckptd demo (tiny)") and str(tmp_path) in first
+    assert waited < 5, f"first line after {waited:.1f} s"  # torch alone takes seconds to import
+    assert "reloaded model identical: True" in rest

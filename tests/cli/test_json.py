@@ -35,7 +35,9 @@ LS = {
             "references": [str],
         }
     ],
-    "leftovers": [{"name": str, "path": str, "kind": str, "bytes": int, "files": int, "active": bool}],
+    "leftovers": [
+        {"name": str, "path": str, "kind": str, "bytes": int, "files": int, "active": bool, "collectable": bool}
+    ],
 }
 TENSOR = {"component": str, "key": str, "dtype": str, "shape": [int], "bytes": int, "chunks": int}
 INFO = {
@@ -175,7 +177,8 @@ def test_ls_json(incremental_root):
     assert second["bytes_written"] == sum(f.size for f in manifest.files.values() if not f.checkpoint)
     assert 0 < second["bytes_written"] < first["bytes_written"]
     (leftover,) = document["leftovers"]
-    assert leftover["kind"] == "staging" and leftover["bytes"] == 3000 and not leftover["active"]
+    assert leftover["kind"] == "staging" and leftover["bytes"] == 3000
+    assert leftover["collectable"] and not leftover["active"]
 
 
 def test_info_json(incremental_root):
