@@ -134,7 +134,10 @@ def _render_ls(body: dict[str, Any], context: Context) -> None:
             )
         )
     for item in body["leftovers"]:
-        state = "saving" if item["active"] else f"incomplete ({item['kind']})"
+        if item["active"]:
+            state = "saving"
+        else:
+            state = "incomplete" if item["kind"] == "incomplete" else f"incomplete ({item['kind']})"
         rows.append(("-", "-", human_size(item["bytes"]), "-", str(item["files"]), state, item["name"]))
     if len(rows) == 1:
         context.say(f"no committed checkpoints under {body['root']}")

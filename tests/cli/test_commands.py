@@ -173,3 +173,24 @@ def test_demo_prints_its_first_line_before_importing_torch(tmp_path):
     assert first.startswith("ckptd demo (tiny)") and str(tmp_path) in first
     assert waited < 5, f"first line after {waited:.1f} s"  # torch alone takes seconds to import
     assert "reloaded model identical: True" in rest
+
+
+@pytest.mark.objectstore
+def test_s3_ls_verify_consolidate_overwrite(s3):
+    options = json.dumps(s3.options())
+    with ckptd.Checkpointer(s3.url("runs"), storage_options=s3.options()) as ckpt:
+        ckpt.save(4, {"model": {"w": torch.arange(8, dtype=torch.float32)}})
+    out = run("ls", s3.url("runs"), "--storage-options", options)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[1].split()[0] == "4" and out.stderr == ""
+    path = s3.url("runs/checkpoint-000004")
+    assert run("--storage-options", options, "verify", path).returncode == 0
+    target = s3.url("flat")
+    assert run("consolidate", path, target, "--storage-options", options).returncode == 0
+    again = run("consolidate", path, target, "--storage-options", options)
+    assert again.returncode == 6 and "--overwrite" in again.stderr
+    replaced = run("consolidate", path, target, "--overwrite", "--storage-options", options)
+    assert replaced.returncode == 0, replaced.stderr
+    reader = ckptd.CheckpointReader.open(target, s3.options())
+    assert torch.equal(reader.read("model")["w"], torch.arange(8, dtype=torch.float32))
+    assert run("gc", s3.url("runs"), "--storage-options", options).stdout.startswith("nothing to remove")
