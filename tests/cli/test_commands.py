@@ -47,6 +47,12 @@ def test_ls_has_a_header_sizes_and_a_leftover_warning(tmp_path):
 def test_gc_says_nothing_to_remove(tmp_path):
     out = run("gc", str(tmp_path))
     assert out.returncode == 0 and out.stdout.strip() == f"nothing to remove under {tmp_path}"
+    kept = tmp_path / "checkpoint-000002"  # gc leaves it and says so on stderr, unless --quiet
+    kept.mkdir()
+    noted = run("gc", str(tmp_path))
+    assert noted.stdout == out.stdout and f"kept {kept}" in noted.stderr
+    quiet = run("--quiet", "gc", str(tmp_path))
+    assert quiet.returncode == 0 and quiet.stdout == out.stdout and quiet.stderr == ""
 
 
 @pytest.mark.hf
