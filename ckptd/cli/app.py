@@ -15,7 +15,8 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 from .._version import __version__
@@ -118,14 +119,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _configure_logging(debug: bool, quiet: bool) -> None:
-    level = logging.DEBUG if debug else logging.ERROR if quiet else logging.WARNING
+@contextmanager
+def _cli_logging(debug: bool, quiet: bool) -> Iterator[None]:
+    """``ckptd`` log records on stderr for the length of a command (DEBUG with --debug, only
+    errors with --quiet), then the logger as it was (``main`` may be called in-process)."""
+    logger = logging.getLogger("ckptd")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    logger = logging.getLogger("ckptd")
     logger.handlers[:] = [handler]
-    logger.setLevel(level)
+    logger.setLevel(logging.DEBUG if debug else logging.ERROR if quiet else logging.WARNING)
     logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.handlers[:] = saved[0]
+        logger.setLevel(saved[1])  # (setLevel also clears the loggers' cached levels)
+        logger.propagate = saved[2]
 
 
 def _guess_flags(argv: Sequence[str]) -> tuple[str, bool, bool]:
@@ -145,8 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 setattr(args, name, default)
         command, as_json, debug = args.command, args.json, args.debug
         context = Context(args)
-        _configure_logging(context.debug, context.quiet)
-        result = args.func(args, context)
+        with _cli_logging(context.debug, context.quiet):
+            result = args.func(args, context)
         if result is None:
             return EXIT_OK
         body, render, code = result

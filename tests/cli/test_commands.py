@@ -200,3 +200,15 @@ def test_s3_ls_verify_consolidate_overwrite(s3):
     reader = ckptd.CheckpointReader.open(target, s3.options())
     assert torch.equal(reader.read("model")["w"], torch.arange(8, dtype=torch.float32))
     assert run("gc", s3.url("runs"), "--storage-options", options).stdout.startswith("nothing to remove")
+
+
+def test_main_in_process_leaves_the_ckptd_logger_as_it_was(tmp_path, capsys):
+    import logging
+
+    from ckptd.cli import main
+
+    logger = logging.getLogger("ckptd")
+    before = (list(logger.handlers), logger.level, logger.propagate)
+    assert main(["gc", str(tmp_path / "missing"), "--debug"]) == 3
+    assert (list(logger.handlers), logger.level, logger.propagate) == before
+    assert "Traceback" in capsys.readouterr().err
