@@ -8,6 +8,7 @@ listing and removed by :func:`collect_garbage` once their owner is gone.
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -30,6 +31,8 @@ __all__ = [
     "apply_retention",
     "checkpoint_dir_name",
     "collect_garbage",
+    "Leftover",
+    "find_leftovers",
     "latest_checkpoint",
     "list_checkpoints",
     "parse_step",
@@ -175,3 +178,67 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# ---- leftovers (what ``ckptd ls`` warns about and ``collect_garbage`` removes) -------------------
+
+_LEFTOVER_RE = re.compile(r"^\.(?P<base>.+)\.(?:tmp|replaced)-")
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """Something under a root that is not a committed checkpoint but looks like save debris.
+
+    ``kind`` is ``"staging"`` (a hidden staging directory), ``"replaced"`` (an overwritten
+    checkpoint not yet removed) or ``"incomplete"`` (a ``checkpoint-<step>`` without a valid
+    manifest).  ``active`` is true when the save that owns it is still running on this host;
+    ``collectable`` when :func:`collect_garbage` removes it once its owner is gone (staging
+    directories on local disks, unfinished prefixes on object stores); others are left to people.
+    """
+
+    name: str
+    path: str
+    kind: str
+    nbytes: int
+    files: int
+    active: bool
+    collectable: bool
+
+
+def find_leftovers(storage: Storage, root: str) -> list[Leftover]:
+    """Staging directories, replaced checkpoints and uncommitted ``checkpoint-<step>`` prefixes
+    under ``root`` (nothing is removed; :func:`collect_garbage` does that)."""
+    found = []
+    host = host_label()
+    for name in storage.list_names(root):
+        path = storage.join(root, name)
+        staging = parse_staging_name(name)
+        if staging:
+            kind = "staging"
+        elif _LEFTOVER_RE.match(name):
+            kind = "replaced" if ".replaced-" in name else "staging"
+        elif parse_step(name) is not None and read_manifest(storage, path) is None:
+            kind = "incomplete"
+        else:
+            continue
+        active = bool(staging and staging.host == host and _pid_alive(staging.pid))
+        nbytes, files = _tree_size(storage, path)
+        collectable = bool(staging) if storage.local else kind == "incomplete"
+        found.append(Leftover(name, path, kind, nbytes, files, active, collectable))
+    return found
+
+
+def _tree_size(storage: Storage, path: str) -> tuple[int, int]:
+    """Bytes and file count under a directory (local: the whole tree; object stores: the prefix)."""
+    if not storage.local:
+        sizes = storage.sizes(path)
+        return sum(sizes.values()), len(sizes)
+    total = count = 0
+    for parent, _dirs, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(parent, name)).st_size
+                count += 1
+            except OSError:
+                continue
+    return total, count

@@ -135,8 +135,9 @@ def test_corrupted_byte_is_caught_by_verify_naming_the_file(checkpointer):
     with pytest.raises(CorruptCheckpointError, match="CRC32C"):
         ckptd.CheckpointReader.open(path).verify()
     from ckptd.cli import main
+    from ckptd.cli.output import EXIT_CORRUPT
 
-    assert main(["verify", path]) == 1
+    assert main(["verify", path]) == EXIT_CORRUPT  # issue 11: corruption has its own exit code (4)
 
 
 @pytest.mark.parametrize("how", ["checkpointer", "functional", "into", "keys"])

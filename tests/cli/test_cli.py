@@ -17,7 +17,7 @@ def test_demo_trains_saves_and_reloads(tmp_path):
         [
             sys.executable,
             "-m",
-            "ckptd.cli",
+            "ckptd",
             "demo",
             "--dir",
             str(tmp_path),

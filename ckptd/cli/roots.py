@@ -1,0 +1,228 @@
+"""Commands on a root of checkpoints: ``ls``, ``gc``, ``rm`` (and the root checks they share).
+
+``ls`` reads manifests only; sizes come from them (bytes written by each save, bytes it
+references in earlier checkpoints after incremental saves) and from listing leftovers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CheckpointNotFoundError, ReferencedCheckpointError
+from ..storage import Storage, base_name, normalize_location, storage_for
+from .app import Context, Result
+from .output import EXIT_OK, EXIT_USAGE, CliError, human_size
+
+if TYPE_CHECKING:
+    from ..formats.manifest import Manifest
+
+__all__ = ["file_totals", "open_root", "register"]
+
+_CHECKPOINT_MARKERS = (
+    "checkpoint_manifest.json",  # formats.manifest.MANIFEST_NAME (not imported: it pulls in torch)
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+)
+
+
+def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """Add this module's subcommands."""
+    ls = add("ls", "list the committed checkpoints under a root, and any leftovers of interrupted saves")
+    ls.add_argument("root")
+    ls.set_defaults(func=_ls)
+    gc = add("gc", "remove what crashed saves left under a root (staging directories, unfinished prefixes)")
+    gc.add_argument("root")
+    gc.add_argument("--older-than", type=float, default=24 * 3600, help="seconds, for other hosts' leftovers")
+    gc.set_defaults(func=_gc)
+    rm = add("rm", "delete one committed checkpoint (refused while incremental saves reference it)")
+    rm.add_argument("root")
+    rm.add_argument("step", type=int)
+    rm.set_defaults(func=_rm)
+
+
+# ---- roots -------------------------------------------------------------------------------------
+
+
+def open_root(url: str, context: Context) -> tuple[Storage, str]:
+    """The storage and normalised location of an existing checkpoint root; raises when the root
+    does not exist, the bucket is missing or unreachable, or ``url`` is a checkpoint itself."""
+    root = normalize_location(url)
+    storage = storage_for(root, context.storage_options)
+    if storage.local:
+        if not os.path.exists(root):
+            raise CheckpointNotFoundError(f"{root}: no such directory")
+        if not os.path.isdir(root):
+            raise CliError(f"{root} is a file, not a root of checkpoints", EXIT_USAGE, f"'ckptd info {url}'")
+    else:
+        storage.check_access(root)
+    names = storage.list_names(root)
+    if any(marker in names for marker in _CHECKPOINT_MARKERS):
+        parent = os.path.dirname(root) if storage.local else root.rsplit("/", 1)[0]
+        raise CliError(
+            f"{root} is a checkpoint, not a root of checkpoints",
+            EXIT_USAGE,
+            f"'ckptd info {url}' describes it; 'ckptd ls {parent}' lists it with its siblings",
+        )
+    if not names and not storage.local:
+        raise CheckpointNotFoundError(f"{root}: nothing is stored under this prefix")
+    return storage, root
+
+
+def file_totals(manifest: Manifest) -> dict[str, Any]:
+    written = sum(f.size for f in manifest.files.values() if f.checkpoint is None)
+    referenced = sum(f.size for f in manifest.files.values() if f.checkpoint is not None)
+    references = sorted({f.checkpoint for f in manifest.files.values() if f.checkpoint})
+    return {
+        "bytes_written": written,
+        "bytes_referenced": referenced,
+        "files": len(manifest.files),
+        "references": references,
+    }
+
+
+# ---- ls ----------------------------------------------------------------------------------------
+
+
+def _ls(args: argparse.Namespace, context: Context) -> Result:
+    from ..catalog import find_leftovers, list_checkpoints
+
+    storage, root = open_root(args.root, context)
+    checkpoints = [
+        {
+            "step": info.step,
+            "path": info.path,
+            "created_utc": info.created_utc,
+            "state": "committed",
+            **file_totals(info.manifest),
+        }
+        for info in list_checkpoints(storage, root)
+    ]
+    leftovers = [
+        {
+            "name": item.name,
+            "path": item.path,
+            "kind": item.kind,
+            "bytes": item.nbytes,
+            "files": item.files,
+            "active": item.active,
+            "collectable": item.collectable,
+        }
+        for item in find_leftovers(storage, root)
+    ]
+    body = {"root": root, "checkpoints": checkpoints, "leftovers": leftovers}
+    return body, _render_ls, EXIT_OK
+
+
+def _render_ls(body: dict[str, Any], context: Context) -> None:
+    rows = [("STEP", "CREATED (UTC)", "WRITTEN", "REFERENCED", "FILES", "STATE", "NAME")]
+    for c in body["checkpoints"]:
+        created = c["created_utc"].replace("T", " ")[:19]
+        rows.append(
+            (
+                str(c["step"]),
+                created,
+                human_size(c["bytes_written"]),
+                human_size(c["bytes_referenced"]) if c["bytes_referenced"] else "-",
+                str(c["files"]),
+                "committed",
+                base_name(c["path"]),
+            )
+        )
+    for item in body["leftovers"]:
+        if item["active"]:
+            state = "saving"
+        else:
+            state = "incomplete" if item["kind"] == "incomplete" else f"incomplete ({item['kind']})"
+        rows.append(("-", "-", human_size(item["bytes"]), "-", str(item["files"]), state, item["name"]))
+    if len(rows) == 1:
+        context.say(f"no committed checkpoints under {body['root']}")
+    else:
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            context.say(
+                "  ".join(
+                    cell.ljust(w) if i in (1, 5, 6) else cell.rjust(w)
+                    for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+                ).rstrip()
+            )
+    stale = [item for item in body["leftovers"] if not item["active"] and item["collectable"]]
+    if stale:
+        total = sum(item["bytes"] for item in stale)
+        context.warn(
+            f"{len(stale)} leftover(s) of interrupted saves ({human_size(total)}) under {body['root']}; "
+            f"'ckptd gc {body['root']}' removes them"
+        )
+    for item in body["leftovers"]:
+        if not item["collectable"]:
+            context.warn(
+                f"{item['path']} ({human_size(item['bytes'])}) is not a committed checkpoint and gc leaves it: "
+                "delete it by hand if no save is writing it"
+            )
+
+
+# ---- gc, rm ------------------------------------------------------------------------------------
+
+
+def _gc(args: argparse.Namespace, context: Context) -> Result:
+    from ..catalog import collect_garbage, find_leftovers
+
+    storage, root = open_root(args.root, context)
+    before = {item.path: item for item in find_leftovers(storage, root)}
+    removed = collect_garbage(storage, root, older_than=args.older_than)
+    kept = [
+        {"path": item.path, "kind": item.kind, "reason": _kept_reason(item)}
+        for path, item in before.items()
+        if path not in removed
+    ]
+    freed = sum(before[path].nbytes for path in removed if path in before)
+    body = {"root": root, "removed": removed, "bytes_freed": freed, "kept": kept}
+    return body, _render_gc, EXIT_OK
+
+
+def _kept_reason(item: Any) -> str:
+    if item.active:
+        return "save in progress"
+    if not item.collectable:
+        return "not removed by gc: delete it by hand if no save is writing it"
+    return "too recent (see --older-than)"
+
+
+def _render_gc(body: dict[str, Any], context: Context) -> None:
+    for path in body["removed"]:
+        context.say(f"removed {path}")
+    if body["removed"]:
+        context.say(f"freed {human_size(body['bytes_freed'])}")
+    else:
+        context.say(f"nothing to remove under {body['root']}")
+    for item in body["kept"]:
+        context.note(f"kept {item['path']}: {item['reason']}")
+
+
+def _rm(args: argparse.Namespace, context: Context) -> Result:
+    from ..catalog import checkpoint_dir_name, list_checkpoints, remove_checkpoint
+
+    storage, root = open_root(args.root, context)
+    checkpoints = list_checkpoints(storage, root)
+    target = next((info for info in checkpoints if info.step == args.step), None)
+    if target is None:
+        steps = [info.step for info in checkpoints]
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint of step {args.step} under {root} ({checkpoint_dir_name(args.step)}); "
+            f"steps: {steps or 'none'}"
+        )
+    name = base_name(target.path)
+    users = [
+        base_name(info.path)
+        for info in checkpoints
+        if info.path != target.path and any(f.checkpoint == name for f in info.manifest.files.values())
+    ]
+    if users:
+        raise ReferencedCheckpointError(f"{target.path} holds files that {', '.join(users)} reference")
+    remove_checkpoint(storage, target.path)
+    body = {"root": root, "removed": target.path, "step": target.step}
+    return body, lambda b, c: c.say(f"removed {b['removed']}"), EXIT_OK
