@@ -24,6 +24,7 @@ __all__ = [
     "apply_retention",
     "checkpoint_dir_name",
     "collect_garbage",
+    "find_step",
     "latest_checkpoint",
     "list_checkpoints",
     "parse_step",
@@ -51,14 +52,28 @@ class CheckpointInfo:
 
 
 def checkpoint_dir_name(step: int) -> str:
-    """``checkpoint-000120`` for step 120 (zero-padded so names sort by step)."""
-    return f"checkpoint-{step:06d}"
+    """``checkpoint-120`` for step 120 (the HF Trainer / Forgather convention).
+
+    Directories written before with zero-padded names (``checkpoint-000120``) are still listed
+    and loaded: :func:`parse_step` reads both, and listings sort by the parsed step.
+    """
+    return f"checkpoint-{step}"
 
 
 def parse_step(name: str) -> int | None:
-    """The step of a ``checkpoint-<step>`` name, else ``None``."""
+    """The step of a ``checkpoint-<step>`` name (zero-padded or not), else ``None``."""
     match = _DIR_RE.match(name)
     return int(match.group(1)) if match else None
+
+
+def find_step(storage: Storage, root: str, step: int) -> str | None:
+    """The committed checkpoint of ``step`` under ``root``, whatever its name's padding."""
+    names = sorted((n for n in storage.list_names(root) if parse_step(n) == step), key=len)
+    for name in names:
+        path = storage.join(root, name)
+        if read_manifest(storage, path) is not None:
+            return path
+    return None
 
 
 def _host() -> str:
@@ -68,7 +83,7 @@ def _host() -> str:
 
 def staging_dir_name(step: int) -> str:
     """A hidden, unique staging directory name recording this host and process."""
-    return f".checkpoint-{step:06d}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+    return f".checkpoint-{step}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def read_manifest(storage: Storage, path: str) -> Manifest | None:

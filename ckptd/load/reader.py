@@ -29,7 +29,7 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..formats.checksum import crc32c, format_crc
-from ..formats.manifest import MANIFEST_NAME, Manifest, TensorRecord, parse_state_file
+from ..formats.manifest import MANIFEST_NAME, Manifest, TensorRecord, is_foreign_manifest, parse_state_file
 from ..formats.safetensors import DTYPE_ITEMSIZE, SafetensorsHeader, dtype_from_name, dtype_name, parse_header
 from ..formats.torch_bin import load_bin, load_bin_bytes
 from ..storage import (
@@ -136,7 +136,10 @@ class CheckpointReader:
         if not names and not storage.exists(directory):
             raise CheckpointNotFoundError(f"{directory}: no such checkpoint directory")
         if MANIFEST_NAME in names:
-            return cls._ckptd(directory, storage, cache)
+            data = storage.read_bytes(storage.join(directory, MANIFEST_NAME))
+            if not is_foreign_manifest(data):
+                return cls._ckptd(directory, storage, cache, data)
+            logger.debug("%s: %s was written by another tool; reading the weights it holds", directory, MANIFEST_NAME)
         if require_manifest:
             raise CheckpointNotFoundError(
                 f"{directory} has no {MANIFEST_NAME}: it is not a committed ckptd checkpoint "
@@ -156,9 +159,11 @@ class CheckpointReader:
         )
 
     @classmethod
-    def _ckptd(cls, directory: str, storage: Storage, cache: FileCache | None = None) -> CheckpointReader:
+    def _ckptd(
+        cls, directory: str, storage: Storage, cache: FileCache | None = None, data: bytes | None = None
+    ) -> CheckpointReader:
         where = storage.join(directory, MANIFEST_NAME)
-        manifest = Manifest.from_json(storage.read_bytes(where), where)
+        manifest = Manifest.from_json(storage.read_bytes(where) if data is None else data, where)
         listings: dict[str, dict[str, int]] = {}
         for name, record in manifest.files.items():
             holder = _holder(storage, directory, record.checkpoint)
