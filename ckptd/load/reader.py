@@ -1,6 +1,8 @@
 """Loading: detect the checkpoint format, locate tensors, fetch only the bytes needed.
 
-Formats, in detection order: a ckptd checkpoint (``checkpoint_manifest.json``), an HF sharded
+Formats, in detection order: a ckptd checkpoint (``checkpoint_manifest.json`` in ckptd's
+schema; another tool's manifest of that name, e.g. Forgather's, is looked past), a PyTorch DCP
+checkpoint (``.metadata`` + ``*.distcp``, read by torch: see :mod:`.dcp`), an HF sharded
 safetensors checkpoint (``model.safetensors.index.json``), a single ``model.safetensors``, and
 PyTorch ``pytorch_model.bin.index.json`` / ``pytorch_model.bin`` (read with
 ``weights_only=True``).  File names come from indexes and manifests, so every name is checked to
@@ -42,6 +44,7 @@ from ..storage import (
     storage_for,
 )
 from .cache import FileCache
+from .dcp import DcpLayout, is_dcp, read_dcp_layout, read_dcp_tensors
 
 __all__ = [
     "CheckpointReader",
@@ -75,7 +78,8 @@ def tensor_memoryview(tensor: torch.Tensor) -> memoryview:
 
 @dataclass(frozen=True)
 class _Source:
-    """One component's tensors: ``kind`` is ``safetensors`` or ``torch_bin``."""
+    """One component's tensors: ``kind`` is ``safetensors``, ``torch_bin`` or ``dcp`` (then
+    ``weight_map`` maps each key to its DCP fully qualified name)."""
 
     kind: str
     weight_map: dict[str, str]
@@ -86,8 +90,8 @@ class _Source:
 class CheckpointReader:
     """A checkpoint opened for reading, in any supported format.
 
-    ``kind`` is ``"ckptd"``, ``"hf_sharded"``, ``"safetensors"``, ``"torch_bin_sharded"`` or
-    ``"torch_bin"``.  ``manifest`` is set for ckptd checkpoints.
+    ``kind`` is ``"ckptd"``, ``"dcp"``, ``"hf_sharded"``, ``"safetensors"``,
+    ``"torch_bin_sharded"`` or ``"torch_bin"``.  ``manifest`` is set for ckptd checkpoints.
     """
 
     def __init__(
@@ -107,6 +111,7 @@ class CheckpointReader:
         self._sources = sources
         self._headers: dict[str, SafetensorsHeader] = {}
         self._verified: set[str] = set()
+        self._dcp_layout: tuple[DcpLayout, dict[str, Any] | None] | None = None
 
     # ---- opening ---------------------------------------------------------------------------
 
@@ -140,6 +145,8 @@ class CheckpointReader:
             if not is_foreign_manifest(data):
                 return cls._ckptd(directory, storage, cache, data)
             logger.debug("%s: %s was written by another tool; reading the weights it holds", directory, MANIFEST_NAME)
+        if is_dcp(names):  # DCP's .metadata is its commit record, written last
+            return cls._dcp(directory, storage, cache, storage_options)
         if require_manifest:
             raise CheckpointNotFoundError(
                 f"{directory} has no {MANIFEST_NAME}: it is not a committed ckptd checkpoint "
@@ -187,6 +194,17 @@ class CheckpointReader:
                 weight_map = {key: record.file for key, record in component.tensors.items()}
                 sources[name] = _Source("safetensors", weight_map, dict(component.tensors), aliases)
         return cls(directory, storage, "ckptd", sources, manifest, cache)
+
+    @classmethod
+    def _dcp(
+        cls, directory: str, storage: Storage, cache: FileCache | None, storage_options: dict[str, Any] | None
+    ) -> CheckpointReader:
+        """A PyTorch DCP checkpoint (Megatron ``torch_dist`` too), read by torch's own reader."""
+        layout = read_dcp_layout(directory, local=storage.local, storage_options=storage_options)
+        sources = {name: _Source("dcp", dict(fqns), None, {}) for name, fqns in layout.components.items()}
+        reader = cls(directory, storage, "dcp", sources, None, cache)
+        reader._dcp_layout = (layout, storage_options)
+        return reader
 
     @classmethod
     def _indexed(
@@ -323,6 +341,8 @@ class CheckpointReader:
     def check_complete(self) -> None:
         """Raise unless every file of every component exists and every safetensors header parses."""
         for name, source in self._sources.items():
+            if source.kind == "dcp":
+                continue  # torch read its .metadata; the data files are DCP's to check
             if source.kind == "safetensors":
                 self.locate(name)
                 continue
@@ -362,7 +382,7 @@ class CheckpointReader:
     def record(self, component: str, key: str) -> TensorRecord | None:
         """Dtype, global shape and location of one stored tensor (``None`` for ``.bin`` files)."""
         source = self._source(component)
-        if source.kind == "torch_bin":
+        if source.kind in ("torch_bin", "dcp"):
             return None
         return self.locate(component, [key])[source.aliases.get(key, key)]
 
@@ -398,6 +418,8 @@ class CheckpointReader:
         if source.kind == "torch_bin":
             files = sorted({source.weight_map[k] for k in stored})
             destinations = self._read_bin(files, stored, stored_targets)
+        elif source.kind == "dcp":
+            destinations = self._read_dcp(source, stored, stored_targets)
         else:
             records = self.locate(component, stored)
             if verify:
@@ -480,6 +502,24 @@ class CheckpointReader:
         if self.storage.local:
             return load_bin(path)
         return load_bin_bytes(self.storage.read_bytes(path), path)
+
+    def _read_dcp(self, source: _Source, keys: list[str], targets: Mapping[str, Any]) -> dict[str, _Destination]:
+        if self._dcp_layout is None:  # pragma: no cover - set by _dcp()
+            raise CorruptCheckpointError(f"{self.directory}: not opened as a DCP checkpoint")
+        layout, options = self._dcp_layout
+        fqns = {key: source.weight_map[key] for key in keys}
+        tensors = read_dcp_tensors(
+            self.directory, layout, fqns.values(), local=self.storage.local, storage_options=options
+        )
+        out: dict[str, _Destination] = {}
+        for key, fqn in fqns.items():
+            tensor = tensors[fqn]
+            record = TensorRecord.whole(dtype_name(tensor.dtype, key), tuple(tensor.shape), fqn, 0, 0)
+            destination = _Destination.make(key, record, targets.get(key), self.directory)
+            with torch.no_grad():
+                destination.buffer.copy_(tensor[destination.box.slices()])
+            out[key] = destination
+        return out
 
     def _read_bin(self, files: list[str], keys: list[str], targets: Mapping[str, Any]) -> dict[str, _Destination]:
         out: dict[str, _Destination] = {}
