@@ -16,6 +16,7 @@ import torch
 from ..dist.optim import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
 from ..dist.sharding import ShardedTensor, validate_sharding
 from ..formats.safetensors import dtype_from_name
+from ..load.dcp import read_dcp_layout
 from ..load.reader import CheckpointReader
 
 __all__ = [
@@ -40,8 +41,15 @@ def load_tensors_metadata(
     path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
 ) -> dict[str, dict[str, TensorInfo]]:
     """Global shapes and dtypes of every tensor, per component, without reading tensor data
-    (ckptd: from the manifest; HF checkpoints: from the shard headers)."""
+    (ckptd: from the manifest; HF checkpoints: from the shard headers; DCP and Megatron
+    ``torch_dist`` checkpoints: from torch's ``.metadata``)."""
     reader = CheckpointReader.open(path, storage_options)
+    if reader.kind == "dcp":  # Megatron torch_dist / PyTorch DCP: shapes from torch's metadata
+        layout = read_dcp_layout(reader.directory, local=reader.storage.local, storage_options=storage_options)
+        return {
+            component: {key: TensorInfo(layout.dtypes[fqn], layout.shapes[fqn]) for key, fqn in fqns.items()}
+            for component, fqns in layout.components.items()
+        }
     out: dict[str, dict[str, TensorInfo]] = {}
     for component in reader.components():
         records = reader.locate(component) if reader.kind != "torch_bin_sharded" else {}

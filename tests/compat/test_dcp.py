@@ -80,3 +80,12 @@ def test_damaged_dcp_metadata_is_corrupt(tmp_path, trained):
     with pytest.raises(CorruptCheckpointError, match=r"\.metadata"):
         ckptd.CheckpointReader.open(path)
     assert not ckptd.validate_checkpoint(path)
+
+
+def test_tensor_metadata_of_a_dcp_checkpoint(tmp_path, trained):
+    model, optimizer = trained
+    path = save_dcp(str(tmp_path / "dcp"), {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    infos = ckptd.load_tensors_metadata(path)
+    assert infos["model"]["embed.weight"] == ckptd.TensorInfo(torch.float32, (64, 16))
+    assert infos["optimizer"]["state.0.exp_avg"].shape == tuple(optimizer.state_dict()["state"][0]["exp_avg"].shape)
+    assert set(infos["model"]) == set(model.state_dict())
