@@ -59,13 +59,16 @@ _CORE = {
 # Seed-compatible names, kept importable from the top level (not in ``__all__``).
 _COMPAT = {
     "CHECKPOINT_MANIFEST_FILENAME": "compat.forgather",
+    "CheckpointMeta": "compat.forgather",
+    "LocalNonpersistentObject": "compat.megatron",
     "MODEL_EXCLUDED_MARKER": "compat.forgather",
     "SAFE_WEIGHTS_INDEX_NAME": "compat.forgather",
     "SAFE_WEIGHTS_NAME": "compat.forgather",
+    "ShardedObject": "compat.megatron",
+    "ShardedTensorFactory": "compat.megatron",
+    "TensorInfo": "compat.megatron",
     "WEIGHTS_INDEX_NAME": "compat.forgather",
     "WEIGHTS_NAME": "compat.forgather",
-    "CheckpointMeta": "compat.forgather",
-    "TensorInfo": "compat.megatron",
     "create_pretrained_symlinks": "compat.forgather",
     "find_latest_checkpoint": "compat.forgather",
     "get_all_fqns": "compat.forgather",
@@ -75,8 +78,11 @@ _COMPAT = {
     "is_in_safetensors_format": "compat.modelopt",
     "load_checkpoint": "compat.forgather",
     "load_checkpoint_metrics": "compat.forgather",
+    "load_common_state_dict": "compat.megatron",
+    "load_plain_tensors": "compat.megatron",
     "load_shard_index": "compat.forgather",
     "load_sharded_checkpoint": "compat.forgather",
+    "load_sharded_metadata": "compat.megatron",
     "load_sharded_state_dict": "compat.modelopt",
     "make_cannonical_names": "compat.forgather",
     "make_shard_index": "compat.forgather",
@@ -90,6 +96,7 @@ _COMPAT = {
     "save_sharded_model": "compat.modelopt",
     "validate_checkpoint": "compat.forgather",
     "validate_output_dir": "compat.forgather",
+    "validate_sharding_integrity": "compat.megatron",
 }
 
 _WHERE = {**_CORE, **_COMPAT}
@@ -128,7 +135,17 @@ if TYPE_CHECKING:
         validate_checkpoint,
         validate_output_dir,
     )
-    from .compat.megatron import TensorInfo, load_tensors_metadata
+    from .compat.megatron import (
+        LocalNonpersistentObject,
+        ShardedObject,
+        ShardedTensorFactory,
+        TensorInfo,
+        load_common_state_dict,
+        load_plain_tensors,
+        load_sharded_metadata,
+        load_tensors_metadata,
+        validate_sharding_integrity,
+    )
     from .compat.modelopt import is_in_safetensors_format, load_sharded_state_dict, save_sharded_model
     from .dist.group import Sharing
     from .dist.optim import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
