@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from .errors import CorruptCheckpointError, StorageError
-from .formats.manifest import MANIFEST_NAME, Manifest
+from .formats.manifest import MANIFEST_NAME, Manifest, is_foreign_manifest
 from .storage import Storage, base_name
 
 __all__ = [
@@ -185,7 +185,7 @@ def _collect_object_store_garbage(storage: Storage, root: str, older_than: float
         if parse_step(name) is None:
             continue
         path = storage.join(root, name)
-        if read_manifest(storage, path) is not None:
+        if read_manifest(storage, path) is not None or _foreign_checkpoint(storage, path):
             continue
         try:
             claimed = storage.read_bytes(storage.join(path, CLAIM_NAME)).decode().rsplit(" ", 1)[-1]
@@ -199,6 +199,14 @@ def _collect_object_store_garbage(storage: Storage, root: str, older_than: float
             storage.discard(path)
             removed.append(path)
     return removed
+
+
+def _foreign_checkpoint(storage: Storage, path: str) -> bool:
+    """A checkpoint another tool committed (e.g. Forgather's manifest): never garbage."""
+    try:
+        return is_foreign_manifest(storage.read_bytes(storage.join(path, MANIFEST_NAME)))
+    except (FileNotFoundError, NotADirectoryError, StorageError):
+        return False
 
 
 def _pid_alive(pid: int) -> bool:

@@ -148,9 +148,11 @@ class CheckpointReader:
         if is_dcp(names):  # DCP's .metadata is its commit record, written last
             return cls._dcp(directory, storage, cache, storage_options)
         if require_manifest:
+            foreign = MANIFEST_NAME in names
+            what = f"its {MANIFEST_NAME} is another tool's (Forgather?)" if foreign else f"no {MANIFEST_NAME}"
             raise CheckpointNotFoundError(
-                f"{directory} has no {MANIFEST_NAME}: it is not a committed ckptd checkpoint "
-                "(an interrupted save, or another format: use ckptd.load_checkpoint for HF checkpoints)"
+                f"{directory} is not a committed ckptd checkpoint ({what}; an interrupted save, or another "
+                "format: use ckptd.load_checkpoint for HF and Forgather checkpoints)"
             )
         if SAFETENSORS_INDEX in names:
             return cls._indexed(directory, storage, SAFETENSORS_INDEX, "safetensors", "hf_sharded", cache)

@@ -65,3 +65,24 @@ def test_retention_counts_both_spellings_by_step(root):
         ckpt.save(10, {"model": {"w": torch.ones(1)}})
         assert ckpt.steps() == [9, 10]
     assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["checkpoint-000009", "checkpoint-10"]
+
+
+def test_object_store_gc_keeps_checkpoints_other_tools_committed():
+    """Garbage collection on object stores removes ``checkpoint-<step>`` prefixes without a
+    ckptd manifest; one holding Forgather's manifest is a checkpoint, not garbage."""
+    import json
+    import uuid
+
+    from ckptd.catalog import collect_garbage
+    from ckptd.storage import storage_for
+
+    root = f"memory://gc-{uuid.uuid4().hex}"
+    storage = storage_for(root)
+    for step, manifest in ((5, {"timestamp": "2026-01-01T00:00:00", "components": {}}), (6, None)):
+        path = f"{root}/checkpoint-{step}"
+        storage.makedirs(path)
+        storage.write_stream(f"{path}/pytorch_model.bin", [memoryview(b"weights")])
+        if manifest is not None:
+            storage.write_stream(f"{path}/checkpoint_manifest.json", [memoryview(json.dumps(manifest).encode())])
+    assert collect_garbage(storage, root) == [f"{root}/checkpoint-6"]
+    assert storage.list_names(root) == ["checkpoint-5"]

@@ -642,3 +642,10 @@ def test_create_pretrained_symlinks(tmp_path, safetensors):
     assert os.path.islink(links[0])
     with pytest.raises(FileNotFoundError):
         fg.create_pretrained_symlinks(str(tmp_path / "empty"))
+
+
+def test_checkpointer_load_names_the_foreign_manifest(forgather_model_dir, tmp_path):
+    model_dir, _ = forgather_model_dir
+    with ckptd.Checkpointer(str(tmp_path / "root")) as ckpt:
+        with pytest.raises(ckptd.errors.CheckpointNotFoundError, match="another tool's"):
+            ckpt.load(fg.next_checkpoint_path(model_dir, 100))
