@@ -84,6 +84,7 @@ _COMPAT = {
     "load_sharded_checkpoint": "compat.forgather",
     "load_sharded_metadata": "compat.megatron",
     "load_sharded_state_dict": "compat.modelopt",
+    "load_state_dict_to_shards": "compat.modelopt",
     "make_cannonical_names": "compat.forgather",
     "make_shard_index": "compat.forgather",
     "map_cannonical_names": "compat.forgather",
@@ -94,6 +95,7 @@ _COMPAT = {
     "save_shard_index": "compat.forgather",
     "save_sharded_checkpoint": "compat.forgather",
     "save_sharded_model": "compat.modelopt",
+    "set_submodule": "compat.modelopt",
     "validate_checkpoint": "compat.forgather",
     "validate_output_dir": "compat.forgather",
     "validate_sharding_integrity": "compat.megatron",
@@ -146,7 +148,13 @@ if TYPE_CHECKING:
         load_tensors_metadata,
         validate_sharding_integrity,
     )
-    from .compat.modelopt import is_in_safetensors_format, load_sharded_state_dict, save_sharded_model
+    from .compat.modelopt import (
+        is_in_safetensors_format,
+        load_sharded_state_dict,
+        load_state_dict_to_shards,
+        save_sharded_model,
+        set_submodule,
+    )
     from .dist.group import Sharing
     from .dist.optim import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
     from .dist.sharding import ShardedTensor, validate_sharding
