@@ -569,7 +569,8 @@ def maybe_delete_oldest_checkpoint(
     Counts every ``checkpoint-*`` entry; deletes ``count - max_checkpoints`` of the oldest
     (manifest timestamp, else mtime; ties by step), never ``best_checkpoint`` nor
     ``preserved_checkpoints``, so fewer go when preserved ones are among the oldest.  Without a
-    ``checkpoints/`` folder it does nothing.  A ckptd checkpoint is deleted manifest first.
+    ``checkpoints/`` folder it does nothing.  A ckptd checkpoint is deleted manifest first, and
+    one whose files a kept incremental ckptd checkpoint references is kept (with a warning).
     """
     checkpoints = _candidates(_join(model_dir, "checkpoints"))
     if len(checkpoints) <= max_checkpoints:
@@ -580,9 +581,24 @@ def maybe_delete_oldest_checkpoint(
     if count <= 0:
         return
     candidates.sort(key=_checkpoint_sort_key)
-    for path in candidates[:count]:
+    doomed = candidates[:count]
+    referenced = _referenced_by(set(checkpoints) - set(doomed))
+    for path in doomed:
+        if base_name(path) in referenced:  # a kept incremental ckptd save reads files from it
+            logger.warning("keeping checkpoint %s: newer incremental checkpoints reference its files", path)
+            continue
         logger.info("deleting checkpoint %s (keeping %d; preserved: %s)", path, max_checkpoints, sorted(preserved))
         remove_checkpoint(storage_for(path), normalize_location(path))
+
+
+def _referenced_by(paths: set[str]) -> set[str]:
+    """Names of sibling checkpoints whose files the ckptd manifests of ``paths`` reference."""
+    names: set[str] = set()
+    for path in paths:
+        manifest = read_manifest(storage_for(path), normalize_location(path))
+        if manifest is not None:
+            names.update(f.checkpoint for f in manifest.files.values() if f.checkpoint)
+    return names
 
 
 METRICS_NAME = "eval_metrics.json"

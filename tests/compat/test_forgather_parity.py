@@ -649,3 +649,17 @@ def test_checkpointer_load_names_the_foreign_manifest(forgather_model_dir, tmp_p
     with ckptd.Checkpointer(str(tmp_path / "root")) as ckpt:
         with pytest.raises(ckptd.errors.CheckpointNotFoundError, match="another tool's"):
             ckpt.load(fg.next_checkpoint_path(model_dir, 100))
+
+
+def test_rotation_keeps_checkpoints_that_incremental_saves_reference(tmp_path, caplog):
+    model_dir = str(tmp_path)
+    frozen = torch.nn.Linear(64, 64).requires_grad_(False)
+    with ckptd.Checkpointer(os.path.join(model_dir, "checkpoints"), incremental=True) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"model": frozen, "step": {"n": torch.tensor(step)}})
+    fg.maybe_delete_oldest_checkpoint(model_dir, 1)
+    assert sorted(os.listdir(os.path.join(model_dir, "checkpoints"))) == ["checkpoint-1", "checkpoint-2"]
+    assert "reference its files" in caplog.text
+    latest = fg.find_latest_checkpoint(model_dir)
+    assert latest == fg.next_checkpoint_path(model_dir, 2)
+    assert_same(frozen.state_dict(), fg.load_checkpoint(latest))
