@@ -67,11 +67,11 @@ def parse_step(name: str) -> int | None:
 
 
 def find_step(storage: Storage, root: str, step: int) -> str | None:
-    """The committed checkpoint of ``step`` under ``root``, whatever its name's padding."""
-    names = sorted((n for n in storage.list_names(root) if parse_step(n) == step), key=len)
-    for name in names:
+    """The checkpoint of ``step`` under ``root`` that has a manifest: ``checkpoint-<step>``, else
+    the zero-padded ``checkpoint-<step:06d>`` older ckptd versions wrote (no listing needed)."""
+    for name in dict.fromkeys((checkpoint_dir_name(step), f"checkpoint-{step:06d}")):
         path = storage.join(root, name)
-        if read_manifest(storage, path) is not None:
+        if storage.exists(storage.join(path, MANIFEST_NAME)):
             return path
     return None
 

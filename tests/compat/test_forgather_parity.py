@@ -663,3 +663,21 @@ def test_rotation_keeps_checkpoints_that_incremental_saves_reference(tmp_path, c
     latest = fg.find_latest_checkpoint(model_dir)
     assert latest == fg.next_checkpoint_path(model_dir, 2)
     assert_same(frozen.state_dict(), fg.load_checkpoint(latest))
+
+
+@pytest.mark.parametrize(
+    ("body", "foreign"),
+    [
+        (b'{"timestamp": "2026-01-01T00:00:00", "components": {}}', True),
+        (b'{"format": "other-tool", "files": {}}', True),
+        (b'{\n "format": "ckptd",\n "format_version": 1}', False),
+        (b'{"step": 3, "format": "ckptd"}', False),
+        (b'{"format_version": 1}', False),
+        (b"not json {{{", False),
+        (b"[1, 2]", False),
+    ],
+)
+def test_manifest_schemas_are_told_apart_by_content(body, foreign):
+    from ckptd.formats.manifest import is_foreign_manifest
+
+    assert is_foreign_manifest(body) is foreign
