@@ -62,18 +62,36 @@ _CORE = {
 
 # Seed-compatible names, kept importable from the top level (not in ``__all__``).
 _COMPAT = {
+    "CHECKPOINT_MANIFEST_FILENAME": "compat.forgather",
     "CheckpointMeta": "compat.forgather",
+    "LocalNonpersistentObject": "compat.megatron",
+    "MODEL_EXCLUDED_MARKER": "compat.forgather",
+    "SAFE_WEIGHTS_INDEX_NAME": "compat.forgather",
+    "SAFE_WEIGHTS_NAME": "compat.forgather",
+    "ShardedObject": "compat.megatron",
+    "ShardedTensorFactory": "compat.megatron",
     "TensorInfo": "compat.megatron",
+    "WEIGHTS_INDEX_NAME": "compat.forgather",
+    "WEIGHTS_NAME": "compat.forgather",
+    "create_pretrained_symlinks": "compat.forgather",
     "find_latest_checkpoint": "compat.forgather",
+    "get_all_fqns": "compat.forgather",
     "get_checkpoint_metadata": "compat.forgather",
+    "id_to_fqn": "compat.forgather",
     "index_file_name": "compat.forgather",
     "is_in_safetensors_format": "compat.modelopt",
     "load_checkpoint": "compat.forgather",
     "load_checkpoint_metrics": "compat.forgather",
+    "load_common_state_dict": "compat.megatron",
+    "load_plain_tensors": "compat.megatron",
     "load_shard_index": "compat.forgather",
     "load_sharded_checkpoint": "compat.forgather",
+    "load_sharded_metadata": "compat.megatron",
     "load_sharded_state_dict": "compat.modelopt",
+    "load_state_dict_to_shards": "compat.modelopt",
+    "make_cannonical_names": "compat.forgather",
     "make_shard_index": "compat.forgather",
+    "map_cannonical_names": "compat.forgather",
     "maybe_delete_oldest_checkpoint": "compat.forgather",
     "next_checkpoint_path": "compat.forgather",
     "save_checkpoint": "compat.forgather",
@@ -81,7 +99,10 @@ _COMPAT = {
     "save_shard_index": "compat.forgather",
     "save_sharded_checkpoint": "compat.forgather",
     "save_sharded_model": "compat.modelopt",
+    "set_submodule": "compat.modelopt",
     "validate_checkpoint": "compat.forgather",
+    "validate_output_dir": "compat.forgather",
+    "validate_sharding_integrity": "compat.megatron",
 }
 
 _WHERE = {**_CORE, **_COMPAT}
@@ -91,15 +112,26 @@ if TYPE_CHECKING:
     from .catalog import CheckpointInfo
     from .checkpointer import Checkpointer
     from .compat.forgather import (
+        CHECKPOINT_MANIFEST_FILENAME,
+        MODEL_EXCLUDED_MARKER,
+        SAFE_WEIGHTS_INDEX_NAME,
+        SAFE_WEIGHTS_NAME,
+        WEIGHTS_INDEX_NAME,
+        WEIGHTS_NAME,
         CheckpointMeta,
+        create_pretrained_symlinks,
         find_latest_checkpoint,
+        get_all_fqns,
         get_checkpoint_metadata,
+        id_to_fqn,
         index_file_name,
         load_checkpoint,
         load_checkpoint_metrics,
         load_shard_index,
         load_sharded_checkpoint,
+        make_cannonical_names,
         make_shard_index,
+        map_cannonical_names,
         maybe_delete_oldest_checkpoint,
         next_checkpoint_path,
         save_checkpoint,
@@ -107,9 +139,26 @@ if TYPE_CHECKING:
         save_shard_index,
         save_sharded_checkpoint,
         validate_checkpoint,
+        validate_output_dir,
     )
-    from .compat.megatron import TensorInfo, load_tensors_metadata
-    from .compat.modelopt import is_in_safetensors_format, load_sharded_state_dict, save_sharded_model
+    from .compat.megatron import (
+        LocalNonpersistentObject,
+        ShardedObject,
+        ShardedTensorFactory,
+        TensorInfo,
+        load_common_state_dict,
+        load_plain_tensors,
+        load_sharded_metadata,
+        load_tensors_metadata,
+        validate_sharding_integrity,
+    )
+    from .compat.modelopt import (
+        is_in_safetensors_format,
+        load_sharded_state_dict,
+        load_state_dict_to_shards,
+        save_sharded_model,
+        set_submodule,
+    )
     from .dist.group import Sharing
     from .dist.optim import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
     from .dist.sharding import ShardedTensor, validate_sharding

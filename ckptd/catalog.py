@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from .errors import CorruptCheckpointError, StorageError
-from .formats.manifest import Manifest
+from .formats.manifest import Manifest, is_foreign_manifest
 from .formats.names import (
     CLAIM_NAME,
     MANIFEST_NAME,
@@ -33,6 +33,7 @@ __all__ = [
     "collect_garbage",
     "Leftover",
     "find_leftovers",
+    "find_step",
     "latest_checkpoint",
     "list_checkpoints",
     "parse_step",
@@ -55,6 +56,16 @@ class CheckpointInfo:
     @property
     def created_utc(self) -> str:
         return self.manifest.created_utc
+
+
+def find_step(storage: Storage, root: str, step: int) -> str | None:
+    """The checkpoint of ``step`` under ``root`` that has a manifest: ``checkpoint-<step>``, else
+    the zero-padded ``checkpoint-<step:06d>`` older ckptd versions wrote (no listing needed)."""
+    for name in dict.fromkeys((checkpoint_dir_name(step), f"checkpoint-{step:06d}")):
+        path = storage.join(root, name)
+        if storage.exists(storage.join(path, MANIFEST_NAME)):
+            return path
+    return None
 
 
 def read_manifest(storage: Storage, path: str) -> Manifest | None:
@@ -154,7 +165,7 @@ def _collect_object_store_garbage(storage: Storage, root: str, older_than: float
         if parse_step(name) is None:
             continue
         path = storage.join(root, name)
-        if read_manifest(storage, path) is not None:
+        if read_manifest(storage, path) is not None or _foreign_checkpoint(storage, path):
             continue
         try:
             claimed = storage.read_bytes(storage.join(path, CLAIM_NAME)).decode().rsplit(" ", 1)[-1]
@@ -168,6 +179,14 @@ def _collect_object_store_garbage(storage: Storage, root: str, older_than: float
             storage.discard(path)
             removed.append(path)
     return removed
+
+
+def _foreign_checkpoint(storage: Storage, path: str) -> bool:
+    """A checkpoint another tool committed (e.g. Forgather's manifest): never garbage."""
+    try:
+        return is_foreign_manifest(storage.read_bytes(storage.join(path, MANIFEST_NAME)))
+    except (FileNotFoundError, NotADirectoryError, StorageError):
+        return False
 
 
 def _pid_alive(pid: int) -> bool:

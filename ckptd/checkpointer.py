@@ -23,6 +23,7 @@ from .catalog import (
     CheckpointInfo,
     checkpoint_dir_name,
     collect_garbage,
+    find_step,
     latest_checkpoint,
     list_checkpoints,
     read_manifest,
@@ -157,7 +158,7 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, (int, str, os.PathLike)):
             raise ConfigError(f"step must be an int, 'latest' or a path, got {step!r}")
         if isinstance(step, int):
-            return self.path_for(step)
+            return find_step(self.storage, self.root, step) or self.path_for(step)  # zero-padded names too
         path = os.fspath(step)
         return local_path(path) if is_local(path) and self.storage.local else path
 

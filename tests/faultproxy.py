@@ -242,9 +242,10 @@ class FaultProxy:
                     self._drain_response(upstream, outbound, method)
                     _reset(client)
                     return
-                status, response_bytes = self._relay_response(upstream, outbound, client, method)
-                with self._lock:
-                    self.exchanges.append(Exchange(method, path, status, response_bytes))
+                status, head, body = self._relay_response(upstream, outbound, client, method)
+                with self._lock:  # recorded before the client sees the reply: no race with the test
+                    self.exchanges.append(Exchange(method, path, status, len(body)))
+                client.sendall(head + body)
         except (_Closed, OSError):
             pass
         finally:
@@ -263,7 +264,7 @@ class FaultProxy:
 
     def _relay_response(
         self, upstream: socket.socket, buffer: bytearray, client: socket.socket, method: str
-    ) -> tuple[int, int]:
+    ) -> tuple[int, bytes, bytes]:
         while True:
             head = _read_until(upstream, buffer, b"\r\n\r\n")
             status = int(head.split(b" ", 2)[1])
@@ -273,5 +274,4 @@ class FaultProxy:
         headers = _headers(head)
         no_body = method == "HEAD" or status in (204, 304)
         body = b"" if no_body else _read_body(upstream, buffer, headers, until_close=True)
-        client.sendall(head + body)
-        return status, len(body)
+        return status, head, body

@@ -1,31 +1,78 @@
-"""Megatron-Core ``dist_checkpointing``: the names ckptd shares with it.
+"""Megatron-Core ``dist_checkpointing``: its entry points and mapping classes, on ckptd.
 
-``load_tensors_metadata`` gives every tensor's global shape and dtype without reading data;
-``ShardedTensor`` (with ``from_rank_offsets``), ``validate_sharding`` and the optimizer-state
-helpers live in :mod:`ckptd.dist` and are re-exported here under Megatron's module.
+``save(sharded_state_dict, checkpoint_dir)`` and ``load(sharded_state_dict, checkpoint_dir)``
+take Megatron's sharded state dicts: :class:`ShardedTensor` (``from_rank_offsets``),
+:class:`ShardedObject`, :class:`LocalNonpersistentObject` and :class:`ShardedTensorFactory`.
+The checkpoint is written by ckptd's Checkpointer (staging arena, torch-free writer process,
+whole-or-invisible commit) as three components: ``common`` (everything that is not sharded,
+written once, as Megatron's ``common.pt``), ``sharded`` (the tensors, under their
+``ShardedTensor.key``, as HF-style safetensors shards) and ``sharded_objects`` (per rank, under
+each object's ``unique_key``).  ``async_sharded_save=True`` returns an :class:`AsyncRequest`
+that an :class:`AsyncCallsQueue` completes, as in Megatron.
+
+Megatron's own checkpoints (``torch_dist``: DCP files) are read by ``ckptd.load_checkpoint`` /
+``Checkpointer.load`` through torch's DCP reader; ``load_tensors_metadata`` reads their shapes.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 import os
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..checkpointer import Checkpointer
 from ..dist.optim import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
-from ..dist.sharding import ShardedTensor, validate_sharding
+from ..dist.sharding import ShardedTensor, is_main_replica, validate_sharding
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, ShardingError
 from ..formats.torch_dtypes import dtype_from_name
+from ..load.assign import read_components
+from ..load.dcp import read_dcp_layout
 from ..load.reader import CheckpointReader
+from ..storage import is_local, local_path
+from .megatron_mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensorFactory,
+    apply_factories,
+    apply_factory_merges,
+    is_sharded,
+    leaves,
+    map_leaves,
+    merge,
+    prune,
+    validate_sharding_integrity,
+)
 
 __all__ = [
+    "AsyncCallsQueue",
+    "AsyncRequest",
+    "LocalNonpersistentObject",
+    "ShardedObject",
     "ShardedTensor",
+    "ShardedTensorFactory",
     "TensorInfo",
     "get_param_id_to_sharded_param_map",
+    "load",
+    "load_common_state_dict",
+    "load_plain_tensors",
+    "load_sharded_metadata",
     "load_tensors_metadata",
     "optim_state_to_sharding_state",
+    "remove_sharded_tensors",
+    "save",
     "validate_sharding",
+    "validate_sharding_integrity",
 ]
+
+logger = logging.getLogger(__name__)
+
+_COMMON, _SHARDED, _OBJECTS = "common", "sharded", "sharded_objects"
 
 
 @dataclass(frozen=True)
@@ -40,8 +87,15 @@ def load_tensors_metadata(
     path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
 ) -> dict[str, dict[str, TensorInfo]]:
     """Global shapes and dtypes of every tensor, per component, without reading tensor data
-    (ckptd: from the manifest; HF checkpoints: from the shard headers)."""
+    (ckptd: from the manifest; HF checkpoints: from the shard headers; DCP and Megatron
+    ``torch_dist`` checkpoints: from torch's ``.metadata``)."""
     reader = CheckpointReader.open(path, storage_options)
+    if reader.kind == "dcp":  # Megatron torch_dist / PyTorch DCP: shapes from torch's metadata
+        layout = read_dcp_layout(reader.directory, local=reader.storage.local, storage_options=storage_options)
+        return {
+            component: {key: TensorInfo(layout.dtypes[fqn], layout.shapes[fqn]) for key, fqn in fqns.items()}
+            for component, fqns in layout.components.items()
+        }
     out: dict[str, dict[str, TensorInfo]] = {}
     for component in reader.components():
         records = reader.locate(component) if reader.kind != "torch_bin_sharded" else {}
@@ -50,3 +104,273 @@ def load_tensors_metadata(
         infos.update({alias: infos[stored] for alias, stored in aliases.items() if stored in infos})
         out[component] = infos
     return out
+
+
+# ---- saving -------------------------------------------------------------------------------------
+
+
+class _DirCheckpointer(Checkpointer):
+    """A Checkpointer that commits its one save into an explicit directory (Megatron's
+    ``checkpoint_dir``) instead of ``<root>/checkpoint-<step>``."""
+
+    def __init__(self, directory: str) -> None:
+        self._directory = os.path.abspath(directory)
+        super().__init__(os.path.dirname(self._directory))
+
+    def path_for(self, step: int) -> str:
+        return self._directory
+
+
+def _check_strategy(*strategies: Any) -> None:
+    for strategy in strategies:
+        if strategy is not None and not isinstance(strategy, (str, tuple)):
+            raise ConfigError(
+                f"{type(strategy).__name__}: ckptd writes and reads its own format; pass no strategy "
+                "(backend names such as ('torch_dist', 1) are accepted and ignored)"
+            )
+
+
+def _local_dir(checkpoint_dir: str | os.PathLike[str]) -> str:
+    path = os.fspath(checkpoint_dir)
+    if not is_local(path):
+        raise ConfigError(f"{path}: Megatron-style save needs a local directory; use ckptd.Checkpointer for URLs")
+    return local_path(path)
+
+
+def save(
+    sharded_state_dict: dict[str, Any],
+    checkpoint_dir: str | os.PathLike[str],
+    sharded_strategy: Any = None,
+    common_strategy: Any = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Callable[[Any], Any] | None = None,
+    content_metadata: dict[str, Any] | None = None,
+) -> AsyncRequest | None:
+    """Save a Megatron sharded state dict into the existing, empty ``checkpoint_dir``.
+
+    Every rank calls it.  Factories are built, local non-persistent objects dropped, sharded
+    tensors written by their main replicas (``validate_access_integrity``: ckptd always checks
+    that the main replicas tile every tensor exactly once), sharded objects by theirs, and the
+    rest once, as the common state.  Returns None after the commit, or with
+    ``async_sharded_save=True`` an :class:`AsyncRequest` to hand to an :class:`AsyncCallsQueue`.
+    ``preprocess_common_before_consistancy_check`` is accepted for compatibility: rank 0's
+    common state is the one written.
+    """
+    _check_strategy(sharded_strategy, common_strategy)
+    directory = _local_dir(checkpoint_dir)
+    if not os.path.isdir(directory):
+        raise CheckpointNotFoundError(f"checkpoint directory {directory} does not exist; create it first")
+    if os.listdir(directory):
+        raise CheckpointExistsError(f"checkpoint directory {directory} is not empty; save into an empty one")
+    state = prune(apply_factories(sharded_state_dict), lambda v: isinstance(v, LocalNonpersistentObject))
+    common = prune(state, is_sharded)
+    tensors: dict[str, ShardedTensor] = {}
+    objects: dict[str, Any] = {}
+    for leaf in leaves(state):
+        if isinstance(leaf, ShardedTensor):
+            if leaf.key in tensors:
+                raise ShardingError(f"sharded tensor key {leaf.key!r} appears twice in this rank's state")
+            tensors[leaf.key] = leaf
+        elif isinstance(leaf, ShardedObject) and is_main_replica(leaf.replica_id):
+            if validate_access_integrity and leaf.unique_key in objects:
+                raise ShardingError(f"sharded object {leaf.unique_key!r} has two main replicas on this rank")
+            objects[leaf.unique_key] = {"data": leaf.data}
+    metadata = {"megatron": True, "content_metadata": copy.deepcopy(content_metadata)}
+    checkpointer = _DirCheckpointer(directory)
+    try:
+        request = checkpointer.async_save(
+            0,
+            {_COMMON: common, _SHARDED: tensors, _OBJECTS: objects},
+            sharing={_OBJECTS: "per_rank"},
+            overwrite=True,
+            metadata=metadata,
+        )
+    except BaseException:
+        checkpointer.close(wait=False)
+        raise
+    pending = AsyncRequest(checkpointer, request)
+    if async_sharded_save:
+        return pending
+    pending.execute_sync()
+    return None
+
+
+class AsyncRequest:
+    """A save in flight: the writer process persists it; :meth:`execute_sync` waits for the
+    commit and runs ``finalize_fns`` (Megatron's finalization), once."""
+
+    def __init__(self, checkpointer: Checkpointer, request: Any) -> None:
+        self.checkpointer = checkpointer
+        self.request = request
+        self.finalize_fns: list[Callable[[], Any]] = []
+        self._finalized = False
+
+    def add_finalize_fn(self, fn: Callable[[], Any]) -> None:
+        self.finalize_fns.append(fn)
+
+    def done(self) -> bool:
+        return bool(self.request.done())
+
+    def execute_sync(self) -> None:
+        """Wait for the commit, then finalize (re-raises the save's failure, if any)."""
+        if self._finalized:
+            return
+        try:
+            self.request.result()
+        finally:
+            self.checkpointer.close()
+        self._finalized = True
+        for fn in self.finalize_fns:
+            fn()
+
+
+class AsyncCallsQueue:
+    """Megatron's queue of asynchronous saves: schedule, then finalize those that are done."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, AsyncRequest] = {}
+        self._next = 0
+
+    def schedule_async_request(self, async_request: AsyncRequest) -> int:
+        """Track a request returned by ``save(..., async_sharded_save=True)``; returns its id."""
+        call_id = self._next
+        self._calls[call_id] = async_request
+        self._next += 1
+        return call_id
+
+    def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> list[int]:
+        """Finalize the calls whose commit is done (all of them, in order, with ``blocking``);
+        returns their ids.  A failed save raises here."""
+        finished = []
+        for call_id in sorted(self._calls):
+            request = self._calls[call_id]
+            if not blocking and not request.done():
+                break
+            request.execute_sync()
+            finished.append(call_id)
+            del self._calls[call_id]
+        return finished
+
+    def get_num_unfinalized_calls(self) -> int:
+        return len(self._calls)
+
+    def close(self) -> None:
+        self.maybe_finalize_async_calls(blocking=True)
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+
+def _open(checkpoint_dir: str | os.PathLike[str]) -> CheckpointReader:
+    reader = CheckpointReader.open(os.fspath(checkpoint_dir), require_manifest=True)
+    if _COMMON not in reader.state_trees() and _SHARDED not in reader.components():
+        raise CheckpointNotFoundError(
+            f"{reader.directory}: not written by ckptd.compat.megatron.save (no {_COMMON!r} component); "
+            "load it with ckptd.Checkpointer.load"
+        )
+    return reader
+
+
+def load_common_state_dict(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The non-sharded part of the checkpoint (Megatron's ``common.pt``)."""
+    reader = _open(checkpoint_dir)
+    return dict(read_components(reader, [_COMMON])[_COMMON]) if _COMMON in reader.state_trees() else {}
+
+
+def load_plain_tensors(checkpoint_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every sharded tensor, whole, by its ``ShardedTensor.key``."""
+    reader = _open(checkpoint_dir)
+    return reader.read(_SHARDED) if _SHARDED in reader.components() else {}
+
+
+def _stored_objects(reader: CheckpointReader) -> dict[str, Any]:
+    names = [n for n in reader.state_trees() if n == _OBJECTS or n.startswith(f"{_OBJECTS}@")]
+    found: dict[str, Any] = {}
+    for name in names:
+        found.update(read_components(reader, [name])[name] or {})
+    return found
+
+
+def load_sharded_metadata(
+    checkpoint_dir: str | os.PathLike[str], sharded_strategy: Any = None, common_strategy: Any = None
+) -> dict[str, ShardedTensor | ShardedObject]:
+    """What the checkpoint holds, without data: a whole-tensor :class:`ShardedTensor` per key
+    (global shape and dtype) and a :class:`ShardedObject` per stored object's unique key."""
+    _check_strategy(sharded_strategy, common_strategy)
+    reader = _open(checkpoint_dir)
+    out: dict[str, ShardedTensor | ShardedObject] = {}
+    if _SHARDED in reader.components():
+        for key, record in reader.locate(_SHARDED).items():
+            shape = tuple(record.shape)
+            dtype = dtype_from_name(record.dtype)
+            out[key] = ShardedTensor(key, None, shape, (0,) * len(shape), dtype=dtype, local_shape=shape)
+    for unique_key in _stored_objects(reader):
+        out[unique_key] = ShardedObject.empty_from_unique_key(unique_key)
+    return out
+
+
+def load(
+    sharded_state_dict: dict[str, Any],
+    checkpoint_dir: str | os.PathLike[str],
+    sharded_strategy: Any = None,
+    common_strategy: Any = None,
+    validate_access_integrity: bool = True,
+    strict: Any = None,
+) -> dict[str, Any]:
+    """Load into the layout ``sharded_state_dict`` describes (any world size): each
+    :class:`ShardedTensor` receives exactly its piece in place and is replaced by its tensor,
+    sharded objects by their values, factories merged, non-persistent objects unwrapped; the
+    result is merged over the common state.  A key the checkpoint lacks raises
+    :class:`~ckptd.errors.KeyMismatchError` (``strict`` is accepted for compatibility).
+    """
+    _check_strategy(sharded_strategy, common_strategy)
+    reader = _open(checkpoint_dir)
+    built = apply_factories(sharded_state_dict)
+    pieces = [leaf for leaf in leaves(built) if isinstance(leaf, ShardedTensor)]
+    for piece in pieces:
+        if piece.data is None:
+            piece.data = torch.empty(piece.local_shape, dtype=piece.dtype)
+    if pieces:
+        reader.read(_SHARDED, [p.key for p in pieces], targets={p.key: p for p in pieces})
+    needs_objects = any(isinstance(leaf, ShardedObject) for leaf in leaves(built))
+    objects = _stored_objects(reader) if needs_objects else {}
+
+    def value(leaf: Any) -> Any:
+        if isinstance(leaf, ShardedTensor):
+            return leaf.data
+        if isinstance(leaf, LocalNonpersistentObject):
+            return leaf.unwrap()
+        if isinstance(leaf, ShardedObject):
+            if leaf.unique_key not in objects:
+                raise CheckpointNotFoundError(f"{reader.directory}: no sharded object {leaf.unique_key!r}")
+            return objects[leaf.unique_key]["data"]
+        return leaf
+
+    only_sharded = prune(built, lambda leaf: not is_sharded(leaf))  # plain values come from the checkpoint
+    loaded = apply_factory_merges(map_leaves(only_sharded, value), sharded_state_dict)
+    return merge(load_common_state_dict(checkpoint_dir), loaded)
+
+
+def remove_sharded_tensors(checkpoint_dir: str | os.PathLike[str], key_prefix: str) -> None:
+    """Rewrite the checkpoint without the sharded tensors whose key starts with ``key_prefix``
+    (a new directory is committed, then swapped in; run it in one process)."""
+    directory = _local_dir(checkpoint_dir)
+    reader = _open(directory)
+    keep = [k for k in reader.keys(_SHARDED) if not k.startswith(key_prefix)] if _SHARDED in reader.components() else []
+    tensors = reader.read(_SHARDED, keep) if keep else {}
+    whole = {k: ShardedTensor(k, t, tuple(t.shape), (0,) * t.dim()) for k, t in tensors.items()}
+    objects = _stored_objects(reader)
+    common = load_common_state_dict(directory)
+    metadata = reader.manifest.metadata if reader.manifest is not None else {}
+    fresh = f"{directory}.rewrite-{os.getpid()}"
+    os.makedirs(fresh)
+    checkpointer = _DirCheckpointer(fresh)
+    try:
+        checkpointer.save(0, {_COMMON: common, _SHARDED: whole, _OBJECTS: objects}, overwrite=True, metadata=metadata)
+    finally:
+        checkpointer.close()
+    old = f"{directory}.old-{os.getpid()}"
+    os.rename(directory, old)
+    os.rename(fresh, directory)
+    shutil.rmtree(old, ignore_errors=True)

@@ -29,6 +29,7 @@ __all__ = [
     "TensorRecord",
     "hf_index",
     "parse_hf_index",
+    "is_foreign_manifest",
     "parse_state_file",
     "state_file_bytes",
     "utc_now",
@@ -36,6 +37,23 @@ __all__ = [
 
 FORMAT_NAME = "ckptd"
 FORMAT_VERSION = 1
+
+
+def is_foreign_manifest(data: bytes) -> bool:
+    """True if ``checkpoint_manifest.json`` bytes are another tool's manifest (Forgather's trainer
+    writes one under the same name: ``timestamp``, ``components``, no ``format``).
+
+    Told apart by content: a JSON object whose ``format`` is not ``"ckptd"`` and that has no
+    ``format_version`` is foreign.  Anything else (ckptd's own, or bytes that do not parse) is
+    ckptd's to judge, so a damaged ckptd manifest is still reported as corrupt.
+    """
+    if f'"format": "{FORMAT_NAME}"'.encode() in data[:64]:
+        return False  # ckptd writes "format" first: no need to parse a large manifest twice
+    try:
+        body = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(body, dict) and body.get("format") != FORMAT_NAME and "format_version" not in body
 
 
 def utc_now() -> str:
@@ -47,7 +65,7 @@ def utc_now() -> str:
 class FileRecord:
     """A file of the checkpoint: byte size and CRC32C (8 hex digits).
 
-    ``checkpoint`` names the sibling checkpoint (``checkpoint-000100``, under the same root) that
+    ``checkpoint`` names the sibling checkpoint (``checkpoint-100``, under the same root) that
     holds the file when an incremental save reused it instead of writing it again.
     """
 

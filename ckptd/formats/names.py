@@ -3,7 +3,7 @@
 HF-compatible names (``model-00001-of-00002.safetensors``, ``model.safetensors.index.json``,
 ``model.safetensors``, ``pytorch_model.bin`` and their ``.bin`` counterparts), ckptd's own files
 (``checkpoint_manifest.json``, ``state.json``, ``metrics.json``, the object-store claim) and the
-directory names under a checkpoint root (``checkpoint-000120`` and the hidden staging
+directory names under a checkpoint root (``checkpoint-120`` and the hidden staging
 directories of saves in progress).  Only names: nothing here touches storage.
 """
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 __all__ = [
     "CLAIM_NAME",
     "MANIFEST_NAME",
+    "LEGACY_METRICS_NAME",
     "METRICS_NAME",
     "SAFETENSORS_INDEX",
     "SAFETENSORS_SINGLE",
@@ -41,8 +42,10 @@ MANIFEST_NAME = "checkpoint_manifest.json"
 """The commit record, written last: a directory without it is not a checkpoint."""
 STATE_NAME = "state.json"
 """The non-tensor state of every component."""
-METRICS_NAME = "metrics.json"
+METRICS_NAME = "eval_metrics.json"
 """Metrics saved beside a checkpoint (Forgather's ``save_checkpoint_metrics``)."""
+LEGACY_METRICS_NAME = "metrics.json"
+"""Where ckptd before 0.2 wrote those metrics (still read)."""
 CLAIM_NAME = ".ckptd-claim"
 """Object stores: the create-only object that claims a checkpoint prefix before any shard."""
 
@@ -87,8 +90,12 @@ def is_seed_shard_name(name: str) -> bool:
 
 
 def checkpoint_dir_name(step: int) -> str:
-    """``checkpoint-000120`` for step 120 (zero-padded so names sort by step)."""
-    return f"checkpoint-{step:06d}"
+    """``checkpoint-120`` for step 120 (the HF Trainer / Forgather convention).
+
+    Directories written before with zero-padded names (``checkpoint-000120``) are still listed
+    and loaded: :func:`parse_step` reads both, and listings sort by the parsed step.
+    """
+    return f"checkpoint-{step}"
 
 
 def parse_step(name: str) -> int | None:

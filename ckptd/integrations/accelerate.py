@@ -22,7 +22,7 @@ from typing import Any
 
 from ..checkpointer import Checkpointer
 from ..errors import ConfigError
-from ..formats.manifest import MANIFEST_NAME
+from ..formats.names import MANIFEST_NAME
 from ..request import SaveRequest
 
 __all__ = ["MODELS_DIR", "CkptdStateHooks", "register_ckptd_hooks"]

@@ -30,7 +30,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 from ..catalog import remove_checkpoint
 from ..checkpointer import Checkpointer
 from ..errors import ConfigError
-from ..formats.manifest import MANIFEST_NAME
+from ..formats.names import MANIFEST_NAME
 from ..request import SaveRequest
 from ..rng import RNGState
 

@@ -93,12 +93,29 @@ def load_into_module(
         )
     if assign and not any(is_dtensor(t) for t in tensor_state.values()):
         loaded = reader.read(component, wanted, device=device, verify=verify)
+        _alias_own_ties(loaded, own_ties)
         module.load_state_dict(loaded, strict=False, assign=True)
     else:
         reader.read(component, wanted, targets={k: tensor_state[k] for k in wanted}, verify=verify)
     groups = [[k for k in group if k in state] for group in reader.tied_groups(component)]
     retie_parameters(module, [g for g in groups if len(g) > 1])
     return set(missing)
+
+
+def _alias_own_ties(loaded: dict[str, torch.Tensor], own_ties: Mapping[str, list[str]]) -> None:
+    """Give every member of the module's own tied groups the tensor loaded for one of them.
+
+    A checkpoint that stores a tied weight once (HF dedups ``lm_head.weight`` behind
+    ``embed_tokens.weight``) and records no ``param_sharing`` leaves the other names out of
+    ``loaded``; assigning only the stored name would leave its aliases holding their old
+    values.  The aliases get the same tensor (same storage), as HF and Forgather loads do.
+    """
+    for key, group in own_ties.items():
+        if key in loaded:
+            continue
+        source = next((k for k in group if k in loaded), None)
+        if source is not None:
+            loaded[key] = loaded[source]
 
 
 def resolve_component(reader: CheckpointReader, name: str, rank: int, groups: Mapping[str, int] | None = None) -> str:

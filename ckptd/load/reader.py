@@ -1,7 +1,9 @@
 """Loading: detect the checkpoint format and locate tensors (the bytes are read by
 :mod:`ckptd.load.fetch`, only those needed).
 
-Formats, in detection order: a ckptd checkpoint (``checkpoint_manifest.json``), an HF sharded
+Formats, in detection order: a ckptd checkpoint (``checkpoint_manifest.json`` in ckptd's
+schema; another tool's manifest of that name, e.g. Forgather's, is looked past), a PyTorch DCP
+checkpoint (``.metadata`` + ``*.distcp``, read by torch: see :mod:`.dcp`), an HF sharded
 safetensors checkpoint (``model.safetensors.index.json``), a single ``model.safetensors``, and
 PyTorch ``pytorch_model.bin.index.json`` / ``pytorch_model.bin`` (read with
 ``weights_only=True``).  File names come from indexes and manifests, so every name is checked to
@@ -27,10 +29,11 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..formats.checksum import crc32c, format_crc
-from ..formats.manifest import Manifest, TensorRecord, parse_hf_index, parse_state_file
+from ..formats.manifest import Manifest, TensorRecord, is_foreign_manifest, parse_hf_index, parse_state_file
 from ..formats.names import MANIFEST_NAME, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_BIN_INDEX, TORCH_BIN_SINGLE
 from ..formats.safetensors import SafetensorsHeader, read_header
 from ..formats.torch_bin import load_bin, load_bin_bytes
+from ..formats.torch_dtypes import dtype_name
 from ..storage import (
     RangeReader,
     Storage,
@@ -41,6 +44,7 @@ from ..storage import (
     storage_for,
 )
 from .cache import FileCache
+from .dcp import DcpLayout, is_dcp, read_dcp_layout, read_dcp_tensors
 from .fetch import Destination, fetch, fetch_bin, preview
 
 __all__ = [
@@ -56,7 +60,8 @@ _VERIFY_CHUNK = 16 * 1024 * 1024
 
 @dataclass(frozen=True)
 class _Source:
-    """One component's tensors: ``kind`` is ``safetensors`` or ``torch_bin``."""
+    """One component's tensors: ``kind`` is ``safetensors``, ``torch_bin`` or ``dcp`` (then
+    ``weight_map`` maps each key to its DCP fully qualified name)."""
 
     kind: str
     weight_map: dict[str, str]
@@ -67,8 +72,8 @@ class _Source:
 class CheckpointReader:
     """A checkpoint opened for reading, in any supported format.
 
-    ``kind`` is ``"ckptd"``, ``"hf_sharded"``, ``"safetensors"``, ``"torch_bin_sharded"`` or
-    ``"torch_bin"``.  ``manifest`` is set for ckptd checkpoints.
+    ``kind`` is ``"ckptd"``, ``"dcp"``, ``"hf_sharded"``, ``"safetensors"``,
+    ``"torch_bin_sharded"`` or ``"torch_bin"``.  ``manifest`` is set for ckptd checkpoints.
     """
 
     def __init__(
@@ -88,6 +93,7 @@ class CheckpointReader:
         self._sources = sources
         self._headers: dict[str, SafetensorsHeader] = {}
         self._verified: set[str] = set()
+        self._dcp_layout: tuple[DcpLayout, dict[str, Any] | None] | None = None
 
     # ---- opening ---------------------------------------------------------------------------
 
@@ -117,11 +123,18 @@ class CheckpointReader:
         if not names and not storage.exists(directory):
             raise CheckpointNotFoundError(f"{directory}: no such checkpoint directory")
         if MANIFEST_NAME in names:
-            return cls._ckptd(directory, storage, cache)
+            data = storage.read_bytes(storage.join(directory, MANIFEST_NAME))
+            if not is_foreign_manifest(data):
+                return cls._ckptd(directory, storage, cache, data)
+            logger.debug("%s: %s was written by another tool; reading the weights it holds", directory, MANIFEST_NAME)
+        if is_dcp(names):  # DCP's .metadata is its commit record, written last
+            return cls._dcp(directory, storage, cache, storage_options)
         if require_manifest:
+            foreign = MANIFEST_NAME in names
+            what = f"its {MANIFEST_NAME} is another tool's (Forgather?)" if foreign else f"no {MANIFEST_NAME}"
             raise CheckpointNotFoundError(
-                f"{directory} has no {MANIFEST_NAME}: it is not a committed ckptd checkpoint "
-                "(an interrupted save, or another format: use ckptd.load_checkpoint for HF checkpoints)"
+                f"{directory} is not a committed ckptd checkpoint ({what}; an interrupted save, or another "
+                "format: use ckptd.load_checkpoint for HF and Forgather checkpoints)"
             )
         if SAFETENSORS_INDEX in names:
             return cls._indexed(directory, storage, SAFETENSORS_INDEX, "safetensors", "hf_sharded", cache)
@@ -137,9 +150,11 @@ class CheckpointReader:
         )
 
     @classmethod
-    def _ckptd(cls, directory: str, storage: Storage, cache: FileCache | None = None) -> CheckpointReader:
+    def _ckptd(
+        cls, directory: str, storage: Storage, cache: FileCache | None = None, data: bytes | None = None
+    ) -> CheckpointReader:
         where = storage.join(directory, MANIFEST_NAME)
-        manifest = Manifest.from_json(storage.read_bytes(where), where)
+        manifest = Manifest.from_json(storage.read_bytes(where) if data is None else data, where)
         listings: dict[str, dict[str, int]] = {}
         for name, record in manifest.files.items():
             holder = _holder(storage, directory, record.checkpoint)
@@ -163,6 +178,17 @@ class CheckpointReader:
                 weight_map = {key: record.file for key, record in component.tensors.items()}
                 sources[name] = _Source("safetensors", weight_map, dict(component.tensors), aliases)
         return cls(directory, storage, "ckptd", sources, manifest, cache)
+
+    @classmethod
+    def _dcp(
+        cls, directory: str, storage: Storage, cache: FileCache | None, storage_options: dict[str, Any] | None
+    ) -> CheckpointReader:
+        """A PyTorch DCP checkpoint (Megatron ``torch_dist`` too), read by torch's own reader."""
+        layout = read_dcp_layout(directory, local=storage.local, storage_options=storage_options)
+        sources = {name: _Source("dcp", dict(fqns), None, {}) for name, fqns in layout.components.items()}
+        reader = cls(directory, storage, "dcp", sources, None, cache)
+        reader._dcp_layout = (layout, storage_options)
+        return reader
 
     @classmethod
     def _indexed(
@@ -291,6 +317,8 @@ class CheckpointReader:
     def check_complete(self) -> None:
         """Raise unless every file of every component exists and every safetensors header parses."""
         for name, source in self._sources.items():
+            if source.kind == "dcp":
+                continue  # torch read its .metadata; the data files are DCP's to check
             if source.kind == "safetensors":
                 self.locate(name)
                 continue
@@ -330,7 +358,7 @@ class CheckpointReader:
     def record(self, component: str, key: str) -> TensorRecord | None:
         """Dtype, global shape and location of one stored tensor (``None`` for ``.bin`` files)."""
         source = self._source(component)
-        if source.kind == "torch_bin":
+        if source.kind in ("torch_bin", "dcp"):
             return None
         return self.locate(component, [key])[source.aliases.get(key, key)]
 
@@ -366,6 +394,8 @@ class CheckpointReader:
         if source.kind == "torch_bin":
             files = sorted({source.weight_map[k] for k in stored})
             destinations = fetch_bin(files, stored, stored_targets, self._load_bin, where=self.directory)
+        elif source.kind == "dcp":
+            destinations = self._read_dcp(source, stored, stored_targets)
         else:
             records = self.locate(component, stored)
             if verify:
@@ -388,6 +418,24 @@ class CheckpointReader:
         if self.storage.local:
             return load_bin(path)
         return load_bin_bytes(self.storage.read_bytes(path), path)
+
+    def _read_dcp(self, source: _Source, keys: list[str], targets: Mapping[str, Any]) -> dict[str, Destination]:
+        if self._dcp_layout is None:  # pragma: no cover - set by _dcp()
+            raise CorruptCheckpointError(f"{self.directory}: not opened as a DCP checkpoint")
+        layout, options = self._dcp_layout
+        fqns = {key: source.weight_map[key] for key in keys}
+        tensors = read_dcp_tensors(
+            self.directory, layout, fqns.values(), local=self.storage.local, storage_options=options
+        )
+        out: dict[str, Destination] = {}
+        for key, fqn in fqns.items():
+            tensor = tensors[fqn]
+            record = TensorRecord.whole(dtype_name(tensor.dtype, key), tuple(tensor.shape), fqn, 0, 0)
+            destination = Destination.make(key, record, targets.get(key), self.directory)
+            with torch.no_grad():
+                destination.buffer.copy_(tensor[destination.box.slices()])
+            out[key] = destination
+        return out
 
 
 def _read_index(storage: Storage, where: str) -> tuple[dict[str, str], dict[str, str]]:

@@ -50,10 +50,10 @@ def test_ls_info_verify_gc(tmp_path, capsys):
     os.makedirs(stale)
     os.utime(stale, (0, 0))
     assert main(["ls", root]) == 0
-    assert "checkpoint-000012" in capsys.readouterr().out
-    assert main(["info", os.path.join(root, "checkpoint-000012")]) == 0
+    assert "checkpoint-12" in capsys.readouterr().out
+    assert main(["info", os.path.join(root, "checkpoint-12")]) == 0
     assert "step: 12" in capsys.readouterr().out
-    assert main(["verify", os.path.join(root, "checkpoint-000012")]) == 0
+    assert main(["verify", os.path.join(root, "checkpoint-12")]) == 0
     assert "CRC32C match" in capsys.readouterr().out
     assert main(["gc", root]) == 0
     assert not os.path.exists(stale)

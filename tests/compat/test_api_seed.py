@@ -24,6 +24,7 @@ def test_signatures_match_the_seed_api():
         ("metadata", None),
         ("safetensors", False),
         ("max_shard_size", 2**31),
+        ("debug", False),
         ("include_param_sharing", True),
         ("param_sharing_metadata", None),
     ]
@@ -155,8 +156,10 @@ def test_checkpoint_management_helpers(tmp_path):
     ckptd.save_checkpoint_metrics(paths[0], {"loss": 0.5})
     assert ckptd.load_checkpoint_metrics(paths[0]) == {"loss": 0.5}
     assert ckptd.load_checkpoint_metrics(paths[1]) is None
-    ckptd.maybe_delete_oldest_checkpoint(model_dir, 1, best_checkpoint=paths[0])
+    # Forgather's rule: three checkpoints, keep two; the oldest unpreserved one goes.
+    ckptd.maybe_delete_oldest_checkpoint(model_dir, 2, best_checkpoint=paths[0])
     remaining = sorted(os.listdir(os.path.join(model_dir, "checkpoints")))
     assert remaining == [os.path.basename(paths[0]), os.path.basename(paths[2])]
-    os.remove(os.path.join(paths[2], "checkpoint_manifest.json"))
+    shard = next(n for n in os.listdir(paths[2]) if n.endswith(".safetensors"))
+    os.remove(os.path.join(paths[2], shard))  # incomplete: skipped
     assert ckptd.find_latest_checkpoint(model_dir) == paths[0]

@@ -15,7 +15,8 @@ from conftest import StoragePlace
 from ckptd.catalog import checkpoint_dir_name, latest_checkpoint, list_checkpoints, staging_dir_name
 from ckptd.errors import CheckpointExistsError, ConfigError, MissingFileError, StorageError
 from ckptd.formats.checksum import crc32c, format_crc
-from ckptd.formats.manifest import MANIFEST_NAME, FileRecord
+from ckptd.formats.manifest import FileRecord
+from ckptd.formats.names import MANIFEST_NAME
 from ckptd.save.commit import CLAIM_NAME, claim_step, finalize_checkpoint
 from ckptd.storage import (
     Deleting,

@@ -34,16 +34,16 @@ def test_async_save_and_load_round_trip_on_s3(s3: S3Place, trained):
             3, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "extra": {"a": 1}}
         )
         result = request.wait(120)
-        assert result.path == f"s3://{s3.bucket}/run/checkpoint-000003"
+        assert result.path == f"s3://{s3.bucket}/run/checkpoint-3"
         assert ckpt.steps() == [3]
         loaded = ckpt.load(3)
         assert_same(expected["model"], loaded["model"])
         assert_same(expected["optimizer"], loaded["optimizer"])
         assert loaded["scheduler"] == scheduler.state_dict() and loaded["extra"] == {"a": 1}
         ckpt.load(3, verify=True)
-    keys = s3.keys("run/checkpoint-000003/")
-    assert "run/checkpoint-000003/checkpoint_manifest.json" in keys
-    assert "run/checkpoint-000003/model.safetensors.index.json" in keys
+    keys = s3.keys("run/checkpoint-3/")
+    assert "run/checkpoint-3/checkpoint_manifest.json" in keys
+    assert "run/checkpoint-3/model.safetensors.index.json" in keys
     assert len([k for k in keys if k.split("/")[-1].startswith("model-")]) > 1
     assert s3.uploads() == []
     # HF tooling reads it with plain s3fs, without ckptd
@@ -51,10 +51,10 @@ def test_async_save_and_load_round_trip_on_s3(s3: S3Place, trained):
     from safetensors.torch import load as load_bytes
 
     fs = s3fs.S3FileSystem(**s3.options())
-    index = json.loads(fs.cat(f"{s3.bucket}/run/checkpoint-000003/model.safetensors.index.json"))
+    index = json.loads(fs.cat(f"{s3.bucket}/run/checkpoint-3/model.safetensors.index.json"))
     merged = {}
     for name in set(index["weight_map"].values()):
-        merged.update(load_bytes(fs.cat(f"{s3.bucket}/run/checkpoint-000003/{name}")))
+        merged.update(load_bytes(fs.cat(f"{s3.bucket}/run/checkpoint-3/{name}")))
     assert_same({k: v for k, v in expected["model"].items() if k != "head.weight"}, merged)
 
 
@@ -142,8 +142,8 @@ def test_listing_ignores_prefixes_without_manifest(s3: S3Place):
     with ckptd.Checkpointer(s3.url(), storage_options=s3.options()) as ckpt:
         ckpt.save(1, {"model": model_state(n=1)})
         ckpt.save(2, {"model": model_state(n=1, seed=5)})
-        s3.client.delete_object(Bucket=s3.bucket, Key="run/checkpoint-000002/checkpoint_manifest.json")
-        s3.client.put_object(Bucket=s3.bucket, Key="run/checkpoint-000009/model.safetensors", Body=b"junk")
+        s3.client.delete_object(Bucket=s3.bucket, Key="run/checkpoint-2/checkpoint_manifest.json")
+        s3.client.put_object(Bucket=s3.bucket, Key="run/checkpoint-9/model.safetensors", Body=b"junk")
         assert ckpt.steps() == [1]
         assert ckpt.latest_step() == 1
         assert_same(model_state(n=1), ckpt.load()["model"])
@@ -174,15 +174,15 @@ def test_server_gone_mid_upload_fails_cleanly_and_cleans_up_when_back(s3: S3Plac
         is_part = lambda m, p: m == "PUT" and "partNumber=" in p  # noqa: E731
         proxy.go_down_after(2, is_part)
         request = ckpt.async_save(2, {"model": {"w": torch.randn(8 * 1024 * 1024)}})
-        with pytest.raises(StorageError, match=r"s3://.*checkpoint-000002/model-00001-of-00001\.safetensors"):
+        with pytest.raises(StorageError, match=r"s3://.*checkpoint-2/model-00001-of-00001\.safetensors"):
             request.wait(120)
         assert proxy.down_event.is_set()
-        assert s3.uploads() != [] or s3.keys("run/checkpoint-000002/") != []  # the mess exists while down
+        assert s3.uploads() != [] or s3.keys("run/checkpoint-2/") != []  # the mess exists while down
         proxy.restart()
     finally:
         ckpt.close()
     assert s3.uploads() == []
-    assert s3.keys("run/checkpoint-000002/") == []
+    assert s3.keys("run/checkpoint-2/") == []
     with ckptd.Checkpointer(s3.url(), storage_options=s3.options()) as again:
         assert again.steps() == [1]
         assert_same(previous, again.load()["model"])
@@ -258,7 +258,7 @@ def test_gcs_round_trip_and_listing_on_an_emulator(gcs_endpoint):
         assert_same(
             {"layers.1.weight": state["layers.1.weight"]}, ckpt.load(1, keys=["model.layers.1.weight"])["model"]
         )
-        ckpt.storage.remove(f"{url}/checkpoint-000002/checkpoint_manifest.json")
+        ckpt.storage.remove(f"{url}/checkpoint-2/checkpoint_manifest.json")
         assert ckpt.steps() == [1] and ckpt.latest_step() == 1
 
 
@@ -268,7 +268,7 @@ def test_cli_lists_verifies_and_collects_garbage_on_s3(s3: S3Place, capsys):
     options = json.dumps(s3.options())
     with ckptd.Checkpointer(s3.url(), storage_options=s3.options()) as ckpt:
         ckpt.save(4, {"model": model_state(n=1)})
-    old, fresh = "run/checkpoint-000005/", "run/checkpoint-000006/"
+    old, fresh = "run/checkpoint-5/", "run/checkpoint-6/"
     s3.client.put_object(Bucket=s3.bucket, Key=old + ".ckptd-claim", Body=b"host 1 2020-01-01T00:00:00.000000Z")
     s3.client.put_object(Bucket=s3.bucket, Key=old + "model-00001-of-00001.safetensors", Body=b"partial")
     s3.client.create_multipart_upload(Bucket=s3.bucket, Key=old + "optimizer-00001-of-00001.safetensors")
@@ -276,10 +276,10 @@ def test_cli_lists_verifies_and_collects_garbage_on_s3(s3: S3Place, capsys):
         Bucket=s3.bucket, Key=fresh + ".ckptd-claim", Body=f"host 1 {ckptd.formats.manifest.utc_now()}".encode()
     )
     assert main(["--storage-options", options, "ls", s3.url()]) == 0
-    assert "checkpoint-000004" in capsys.readouterr().out
-    assert main(["--storage-options", options, "verify", s3.url() + "/checkpoint-000004"]) == 0
+    assert "checkpoint-4" in capsys.readouterr().out
+    assert main(["--storage-options", options, "verify", s3.url() + "/checkpoint-4"]) == 0
     assert main(["--storage-options", options, "gc", s3.url(), "--older-than", "3600"]) == 0
-    assert "checkpoint-000005" in capsys.readouterr().out
+    assert "checkpoint-5" in capsys.readouterr().out
     assert s3.keys(old) == [] and s3.uploads() == []
     assert s3.keys(fresh) == [fresh + ".ckptd-claim"]
 
@@ -298,11 +298,11 @@ def test_existing_step_on_s3_is_refused_unless_overwrite(s3: S3Place):
 def test_a_failed_claim_never_deletes_the_checkpoint_already_there(s3: S3Place, proxy):
     with ckptd.Checkpointer(s3.url(), storage_options=s3.options(proxy.url), retry_attempts=2) as ckpt:
         ckpt.save(1, {"model": model_state(n=2)})
-        before = s3.keys("run/checkpoint-000001/")
+        before = s3.keys("run/checkpoint-1/")
         proxy.inject("503", 10, lambda m, p: m == "PUT" and ".ckptd-claim" in p)
         with pytest.raises(StorageError, match=r"\.ckptd-claim"):
             ckpt.save(1, {"model": model_state(n=2, seed=7)}, overwrite=True)
-        assert s3.keys("run/checkpoint-000001/") == before
+        assert s3.keys("run/checkpoint-1/") == before
         assert_same(model_state(n=2), ckpt.load(1, verify=True)["model"])
 
 
