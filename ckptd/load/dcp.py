@@ -22,8 +22,11 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError, KeyMismatchError
+from ..formats.manifest import TensorRecord
+from ..formats.torch_dtypes import dtype_name
+from .fetch import Destination
 
-__all__ = ["DCP_METADATA", "DcpLayout", "is_dcp", "read_dcp_layout", "read_dcp_tensors"]
+__all__ = ["DCP_METADATA", "DcpLayout", "fetch_dcp", "is_dcp", "read_dcp_layout", "read_dcp_tensors"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,3 +119,26 @@ def read_dcp_tensors(
         except Exception as e:  # torch wraps per-rank failures in CheckpointException
             raise CorruptCheckpointError(f"{directory}: torch could not read the DCP data files ({e})") from e
     return state
+
+
+def fetch_dcp(
+    directory: str,
+    layout: DcpLayout,
+    fqns: Mapping[str, str],
+    targets: Mapping[str, Any],
+    *,
+    local: bool,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Destination]:
+    """Destinations for ``fqns`` (key -> DCP fully qualified name) filled from a DCP checkpoint
+    through torch's reader, each narrowed to its target's piece."""
+    tensors = read_dcp_tensors(directory, layout, fqns.values(), local=local, storage_options=storage_options)
+    out: dict[str, Destination] = {}
+    for key, fqn in fqns.items():
+        tensor = tensors[fqn]
+        record = TensorRecord.whole(dtype_name(tensor.dtype, key), tuple(tensor.shape), fqn, 0, 0)
+        destination = Destination.make(key, record, targets.get(key), directory)
+        with torch.no_grad():
+            destination.buffer.copy_(tensor[destination.box.slices()])
+        out[key] = destination
+    return out

@@ -33,7 +33,6 @@ from ..formats.manifest import Manifest, TensorRecord, is_foreign_manifest, pars
 from ..formats.names import MANIFEST_NAME, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_BIN_INDEX, TORCH_BIN_SINGLE
 from ..formats.safetensors import SafetensorsHeader, read_header
 from ..formats.torch_bin import load_bin, load_bin_bytes
-from ..formats.torch_dtypes import dtype_name
 from ..storage import (
     RangeReader,
     Storage,
@@ -44,7 +43,7 @@ from ..storage import (
     storage_for,
 )
 from .cache import FileCache
-from .dcp import DcpLayout, is_dcp, read_dcp_layout, read_dcp_tensors
+from .dcp import DcpLayout, fetch_dcp, is_dcp, read_dcp_layout
 from .fetch import Destination, fetch, fetch_bin, preview
 
 __all__ = [
@@ -424,18 +423,7 @@ class CheckpointReader:
             raise CorruptCheckpointError(f"{self.directory}: not opened as a DCP checkpoint")
         layout, options = self._dcp_layout
         fqns = {key: source.weight_map[key] for key in keys}
-        tensors = read_dcp_tensors(
-            self.directory, layout, fqns.values(), local=self.storage.local, storage_options=options
-        )
-        out: dict[str, Destination] = {}
-        for key, fqn in fqns.items():
-            tensor = tensors[fqn]
-            record = TensorRecord.whole(dtype_name(tensor.dtype, key), tuple(tensor.shape), fqn, 0, 0)
-            destination = Destination.make(key, record, targets.get(key), self.directory)
-            with torch.no_grad():
-                destination.buffer.copy_(tensor[destination.box.slices()])
-            out[key] = destination
-        return out
+        return fetch_dcp(self.directory, layout, fqns, targets, local=self.storage.local, storage_options=options)
 
 
 def _read_index(storage: Storage, where: str) -> tuple[dict[str, str], dict[str, str]]:
