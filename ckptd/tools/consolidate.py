@@ -8,11 +8,11 @@ shard files, so memory stays bounded by the largest tensor, whatever the checkpo
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from typing import Any
 
 from .._version import __version__
+from ..catalog import leftover_name
 from ..formats.manifest import FileRecord, Manifest, TensorRecord
 from ..load.reader import CheckpointReader
 from ..options import DEFAULT_MAX_SHARD_SIZE, parse_size
@@ -52,7 +52,7 @@ def consolidate(
     started = time.perf_counter()
     if storage.local:
         parent, base = os.path.split(final)
-        staging = os.path.join(parent, f".{base}.tmp-{secrets.token_hex(4)}")
+        staging = os.path.join(parent, leftover_name(base, "tmp"))  # collect_garbage knows the name
     else:
         staging = final
         claim_step(storage, final, overwrite=False)
