@@ -39,7 +39,12 @@ def main(action: str, args: dict[str, Any]) -> None:
 
         local.exchange_paths = lambda a, b: False  # a filesystem without RENAME_EXCHANGE
     if action == "save":
-        with ckptd.Checkpointer(args["root"], keep_last=args.get("keep_last"), max_shard_size="4KB") as ckpt:
+        with ckptd.Checkpointer(
+            args["root"],
+            keep_last=args.get("keep_last"),
+            max_shard_size="4KB",
+            storage_options=args.get("storage_options") or {},
+        ) as ckpt:
             for step in args["steps"]:
                 ckpt.save(step, state_for(step, args.get("variant", 0)), overwrite=args.get("overwrite", False))
     elif action == "retention":

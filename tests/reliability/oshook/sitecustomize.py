@@ -7,7 +7,9 @@ two environment variables that only the tests set, either
   calls are named by the file the fd refers to), or
 * ``CKPTD_TEST_KILL=<op>|<regex>|<n>|<before|after>``: SIGKILLs the whole process group (the
   trainer and its writer process) at the ``n``-th call of ``op`` on a path matching ``regex``,
-  before or after the call.
+  before or after the call.  ``op`` ``http`` matches the request line of an HTTP request sent
+  on a socket (``PUT /bucket/run/checkpoint-000002/checkpoint_manifest.json HTTP/1.1``): the
+  object-store kill points.
 
 The library has no test hooks: crashes happen at the system-call boundary, as a power cut or
 ``kill -9`` would strike.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 
 _original = {
     name: getattr(os, name)
@@ -67,6 +70,45 @@ def configure() -> None:
     if kill or record:
         for name in _original:
             setattr(os, name, _wrap(name))
+        _wrap_sockets()
+
+
+_HTTP = re.compile(rb"^(GET|PUT|POST|DELETE|HEAD) [^ ]+ HTTP/1")
+
+
+def _decide(op: str, paths: list[str]) -> bool:
+    """Log the call; True when it is the one to die at."""
+    log = _state["log"]
+    if log >= 0 and not paths[0].startswith(("pipe:", "socket:", "/dev/")):
+        line = f"{os.getpid()} {op} {' '.join(paths)}\n".encode()
+        _original["write"](log, line)
+    hit = op == _state["op"] and _state["left"] > 0 and any(_state["regex"].search(p) for p in paths)
+    if hit:
+        _state["left"] -= 1
+        hit = _state["left"] == 0
+    return hit
+
+
+def _die() -> None:
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def _wrap_sockets() -> None:
+    for name in ("send", "sendall"):
+        real = getattr(socket.socket, name)
+
+        def wrapper(self, data, *args, _real=real):  # type: ignore[no-untyped-def]
+            head = bytes(memoryview(data)[:300])
+            match = _HTTP.match(head)
+            hit = bool(match) and _decide("http", [head.split(b"\r\n", 1)[0].decode("latin-1")])
+            if hit and _state["when"] == "before":
+                _die()
+            result = _real(self, data, *args)
+            if hit:
+                _die()
+            return result
+
+        setattr(socket.socket, name, wrapper)
 
 
 def _wrap(name: str):  # type: ignore[no-untyped-def]
@@ -83,19 +125,12 @@ def _wrap(name: str):  # type: ignore[no-untyped-def]
             ]
         else:
             paths = [_arg_path(args[0], kwargs.get("dir_fd"))]
-        log = _state["log"]
-        if log >= 0 and not paths[0].startswith(("pipe:", "socket:", "/dev/")):
-            line = f"{os.getpid()} {op} {' '.join(paths)}\n".encode()
-            _original["write"](log, line)
-        hit = op == _state["op"] and _state["left"] > 0 and any(_state["regex"].search(p) for p in paths)
-        if hit:
-            _state["left"] -= 1
-            hit = _state["left"] == 0
+        hit = _decide(op, paths)
         if hit and _state["when"] == "before":
-            os.killpg(os.getpgid(0), signal.SIGKILL)
+            _die()
         result = real(*args, **kwargs)
         if hit:
-            os.killpg(os.getpgid(0), signal.SIGKILL)
+            _die()
         return result
 
     wrapper.__name__ = real.__name__
