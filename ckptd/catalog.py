@@ -7,26 +7,32 @@ listing and removed by :func:`collect_garbage` once their owner is gone.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from .errors import CorruptCheckpointError, StorageError
+from .errors import CheckpointExistsError, CorruptCheckpointError, StorageError
 from .formats.manifest import Manifest, is_foreign_manifest
 from .formats.names import (
     CLAIM_NAME,
     MANIFEST_NAME,
     checkpoint_dir_name,
     host_label,
-    parse_staging_name,
+    leftover_name,
+    match_leftover_name,
     parse_step,
     staging_dir_name,
 )
 from .storage import Storage, base_name
+from .storage.local import LocalStorage
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CLAIM_NAME",
     "CheckpointInfo",
     "apply_retention",
     "checkpoint_dir_name",
@@ -34,6 +40,8 @@ __all__ = [
     "Leftover",
     "find_leftovers",
     "find_step",
+    "discard_directory",
+    "leftover_name",
     "latest_checkpoint",
     "list_checkpoints",
     "parse_step",
@@ -105,8 +113,34 @@ def latest_checkpoint(storage: Storage, root: str) -> CheckpointInfo | None:
     return None
 
 
+def discard_directory(storage: Storage, path: str, label: str | None = None) -> None:
+    """Remove a directory so that a crash at any moment leaves either all of it or nothing visible.
+
+    Local: renamed to a hidden ``.<label>.deleting-`` name first (one atomic step, made durable;
+    ``label`` defaults to the directory's name), then removed; :func:`collect_garbage` finishes
+    what a crash interrupts.  Object stores: ``remove_tree``.
+    """
+    if not isinstance(storage, LocalStorage):
+        storage.remove_tree(path)
+        return
+    parent, base = os.path.split(path.rstrip(os.sep))
+    hidden = os.path.join(parent, leftover_name(label or base, "deleting"))
+    try:
+        storage.rename_directory(path, hidden)
+    except FileNotFoundError:
+        return  # already gone
+    storage.remove_tree(hidden)
+
+
 def remove_checkpoint(storage: Storage, path: str) -> None:
-    """Delete a checkpoint: manifest first (it stops being a checkpoint at once), then the rest."""
+    """Delete a checkpoint, atomically: it stops being one at once and never lingers half-deleted.
+
+    Local: renamed aside to a hidden name, then removed (:func:`discard_directory`).  Object
+    stores: the manifest first (it stops being a checkpoint at once), then the rest.
+    """
+    if isinstance(storage, LocalStorage):
+        discard_directory(storage, path)
+        return
     storage.remove(storage.join(path, MANIFEST_NAME))
     storage.remove_tree(path)
 
@@ -130,33 +164,94 @@ def apply_retention(storage: Storage, root: str, keep_last: int, protect: set[st
 
 
 def collect_garbage(storage: Storage, root: str, *, older_than: float = _STALE_SECONDS) -> list[str]:
-    """Remove what crashed saves left under ``root``.
+    """Remove, or recover, what crashed saves, overwrites, deletions and consolidations left.
 
-    Local: staging directories whose process is gone (this host) or older than ``older_than``
-    seconds (other hosts).  Object stores: ``checkpoint-<step>`` prefixes without a valid
+    Local: hidden leftovers (``.<name>.tmp-*`` staging directories and files,
+    ``.<name>.replaced-*``, ``.<name>.deleting-*``) whose process is gone (this host) or older
+    than ``older_than`` seconds (other hosts, and names without an owner).  Before removing, a
+    ``<name>`` without a valid manifest is recovered: a leftover staging directory holding a
+    complete manifest is published (the newest), else the newest complete ``replaced`` one is
+    restored.  A staging directory holding a valid manifest is never deleted unless ``<name>``
+    is a committed checkpoint.  Object stores: ``checkpoint-<step>`` prefixes without a valid
     manifest whose claim is older than ``older_than`` (their multipart uploads are aborted too).
+    Returns the paths removed.
     """
-    if not storage.local:
+    if not isinstance(storage, LocalStorage):
         return _collect_object_store_garbage(storage, root, older_than)
-    removed = []
-    host = host_label()
+    groups: dict[str, list[tuple[str, str]]] = {}
     for name in storage.list_names(root):
-        staging = parse_staging_name(name)
-        if staging is None:
+        match = match_leftover_name(name)
+        if match is None:
             continue
         path = storage.join(root, name)
-        stale = False
-        if staging.host == host:
-            stale = not _pid_alive(staging.pid)
-        else:
-            try:
-                stale = time.time() - os.stat(path).st_mtime > older_than
-            except OSError:
-                stale = False
-        if stale:
-            storage.remove_tree(path)
-            removed.append(path)
+        if _leftover_stale(match, path, older_than):
+            groups.setdefault(match.group("base"), []).append((match.group("kind"), path))
+    removed = []
+    for base, leftovers in groups.items():
+        target = storage.join(root, base)
+        if read_manifest(storage, target) is None and not _recover(storage, target, leftovers):
+            if any(kind != "deleting" and _complete_manifest(storage, path) for kind, path in leftovers):
+                continue  # recovery failed: keep every complete copy for the next run
+        for _, path in leftovers:
+            if os.path.lexists(path):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    storage.remove_tree(path)
+                else:
+                    storage.remove(path)
+                removed.append(path)
     return removed
+
+
+def _leftover_stale(match: re.Match[str], path: str, older_than: float) -> bool:
+    """Whether a leftover's owner is gone (same host: its pid; else by age)."""
+    if match.group("host") == host_label() and match.group("pid"):
+        return not _pid_alive(int(match.group("pid")))
+    if match.group("pid") is None and match.group("kind") == "replaced":
+        return True  # an overwrite by an older version: nothing else will ever finish it
+    try:
+        return time.time() - os.lstat(path).st_mtime > older_than
+    except OSError:
+        return False
+
+
+def _complete_manifest(storage: Storage, path: str) -> Manifest | None:
+    """The manifest of a leftover directory if every file it lists (bar reused ones) is there
+    at its recorded size, else ``None``."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return None
+    manifest = read_manifest(storage, path)
+    if manifest is None:
+        return None
+    sizes = storage.sizes(path)
+    for name, record in manifest.files.items():
+        if record.checkpoint is None and sizes.get(name) != record.size:
+            return None
+    return manifest
+
+
+def _recover(storage: LocalStorage, target: str, leftovers: list[tuple[str, str]]) -> bool:
+    """Publish the best complete leftover as ``target`` (which has no valid manifest)."""
+    candidates = []
+    for kind, path in leftovers:
+        if kind == "deleting":
+            continue  # deliberately removed: never brought back
+        manifest = _complete_manifest(storage, path)
+        if manifest is not None:
+            candidates.append((kind == "tmp", manifest.created_utc, path))
+    if not candidates:
+        return False
+    candidates.sort(reverse=True)
+    chosen = candidates[0][2]
+    try:
+        if os.path.lexists(target):
+            discard_directory(storage, target)  # no valid manifest: garbage
+        storage.rename_directory(chosen, target)
+    except (CheckpointExistsError, StorageError, OSError) as e:
+        logger.warning("ckptd: could not recover %s from %s: %s", target, chosen, e)
+        return False
+    logger.warning("ckptd: recovered %s from %s (left by a crashed save)", target, chosen)
+    leftovers.remove(next(item for item in leftovers if item[1] == chosen))
+    return True
 
 
 def _collect_object_store_garbage(storage: Storage, root: str, older_than: float) -> list[str]:
@@ -201,17 +296,14 @@ def _pid_alive(pid: int) -> bool:
 
 # ---- leftovers (what ``ckptd ls`` warns about and ``collect_garbage`` removes) -------------------
 
-_LEFTOVER_RE = re.compile(r"^\.(?P<base>.+)\.(?:tmp|replaced)-")
-
-
 @dataclass(frozen=True)
 class Leftover:
     """Something under a root that is not a committed checkpoint but looks like save debris.
 
     ``kind`` is ``"staging"`` (a hidden staging directory), ``"replaced"`` (an overwritten
-    checkpoint not yet removed) or ``"incomplete"`` (a ``checkpoint-<step>`` without a valid
-    manifest).  ``active`` is true when the save that owns it is still running on this host;
-    ``collectable`` when :func:`collect_garbage` removes it once its owner is gone (staging
+    checkpoint not yet removed), ``"deleting"`` (a checkpoint being removed) or ``"incomplete"``
+    (a ``checkpoint-<step>`` without a valid manifest).  ``active`` is true when the save that
+    owns it is still running on this host; ``collectable`` when :func:`collect_garbage` removes it once its owner is gone (staging
     directories on local disks, unfinished prefixes on object stores); others are left to people.
     """
 
@@ -231,18 +323,19 @@ def find_leftovers(storage: Storage, root: str) -> list[Leftover]:
     host = host_label()
     for name in storage.list_names(root):
         path = storage.join(root, name)
-        staging = parse_staging_name(name)
-        if staging:
-            kind = "staging"
-        elif _LEFTOVER_RE.match(name):
-            kind = "replaced" if ".replaced-" in name else "staging"
+        hidden = match_leftover_name(name)
+        if hidden:
+            kind = {"tmp": "staging"}.get(hidden.group("kind"), hidden.group("kind"))
         elif parse_step(name) is not None and read_manifest(storage, path) is None:
             kind = "incomplete"
         else:
             continue
-        active = bool(staging and staging.host == host and _pid_alive(staging.pid))
+        owner = hidden.group("pid") if hidden else None
+        active = bool(owner and hidden.group("host") == host and _pid_alive(int(owner)))
         nbytes, files = _tree_size(storage, path)
-        collectable = bool(staging) if storage.local else kind == "incomplete"
+        # Local disks: gc removes hidden leftovers once their owner is gone; object stores:
+        # unfinished prefixes.  A visible manifest-less directory on disk is left to people.
+        collectable = bool(hidden) if storage.local else kind == "incomplete"
         found.append(Leftover(name, path, kind, nbytes, files, active, collectable))
     return found
 

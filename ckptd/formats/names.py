@@ -31,6 +31,8 @@ __all__ = [
     "host_label",
     "index_file_name",
     "is_seed_shard_name",
+    "leftover_name",
+    "match_leftover_name",
     "parse_staging_name",
     "parse_step",
     "seed_shard_name",
@@ -56,6 +58,13 @@ TORCH_BIN_SINGLE = "pytorch_model.bin"
 
 _STEP_RE = re.compile(r"^checkpoint-(\d+)$")
 _STAGING_RE = re.compile(r"^\.checkpoint-(?P<step>\d+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]+$")
+# Hidden names a crash can leave beside a target ``<base>``: ``tmp`` (a staging directory, or a
+# file being written), ``replaced`` (the old checkpoint during an overwrite without an atomic
+# exchange), ``deleting`` (a checkpoint being removed).  The owner (host, pid) is recorded;
+# names from older versions have none.
+_LEFTOVER_RE = re.compile(
+    r"^\.(?P<base>.+)\.(?P<kind>tmp|replaced|deleting)-(?:(?P<host>[^-]+)-(?P<pid>\d+)-)?[0-9a-f]+$"
+)
 _SEED_SHARD_RE = re.compile(r"^(?:model|pytorch_model)-\d{5}-of-\d{5}\.(?:safetensors|bin)$")
 
 
@@ -111,8 +120,8 @@ def host_label() -> str:
 
 def staging_dir_name(step: int) -> str:
     """A hidden, unique staging directory name recording this host and process:
-    ``.checkpoint-000120.tmp-<host>-<pid>-<random>``."""
-    return f".{checkpoint_dir_name(step)}.tmp-{host_label()}-{os.getpid()}-{secrets.token_hex(4)}"
+    ``.checkpoint-120.tmp-<host>-<pid>-<random>``."""
+    return leftover_name(checkpoint_dir_name(step), "tmp")
 
 
 @dataclass(frozen=True)
@@ -130,3 +139,14 @@ def parse_staging_name(name: str) -> StagingName | None:
     if match is None:
         return None
     return StagingName(int(match.group("step")), match.group("host"), int(match.group("pid")))
+
+
+def leftover_name(base: str, kind: str) -> str:
+    """A hidden name beside ``base`` for a staging (``tmp``), ``replaced`` or ``deleting``
+    directory, recording this host and process so garbage collection knows its owner."""
+    return f".{base}.{kind}-{host_label()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def match_leftover_name(name: str) -> re.Match[str] | None:
+    """The parts (``base``, ``kind``, ``host``, ``pid``) of a :func:`leftover_name`, else ``None``."""
+    return _LEFTOVER_RE.match(name)

@@ -8,8 +8,8 @@ last, is the commit point.
 
 from __future__ import annotations
 
+import logging
 import os
-import secrets
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._version import __version__
+from ..catalog import discard_directory, read_manifest
 from ..errors import CheckpointExistsError, WriterError
 from ..formats.checksum import crc32c, format_crc
 from ..formats.manifest import (
@@ -28,10 +29,14 @@ from ..formats.manifest import (
     state_file_bytes,
     utc_now,
 )
-from ..formats.names import CLAIM_NAME, MANIFEST_NAME, STATE_NAME, hf_index_name
+from ..formats.names import CLAIM_NAME, MANIFEST_NAME, STATE_NAME, hf_index_name, leftover_name
 from ..storage import Storage
+from ..storage.local import LocalStorage
 
-__all__ = ["ComponentInfo", "claim_step", "finalize_checkpoint", "publish", "write_small_file"]
+__all__ = ["CLAIM_NAME", "ComponentInfo", "claim_step", "finalize_checkpoint", "publish", "write_small_file"]
+
+
+logger = logging.getLogger(__name__)
 
 
 def claim_step(storage: Storage, final_dir: str, *, overwrite: bool) -> None:
@@ -141,21 +146,34 @@ def finalize_checkpoint(
 
 
 def publish(storage: Storage, staging_dir: str, final_dir: str, *, overwrite: bool) -> None:
-    """Make a finished staging directory the checkpoint at ``final_dir``."""
-    if not storage.local or staging_dir == final_dir:
+    """Make a finished staging directory the checkpoint at ``final_dir``.
+
+    Local: a ``final_dir`` without a valid manifest (left by a crash) is garbage and is removed
+    first.  An overwrite swaps the two directories in one atomic step where the filesystem can
+    (``renameat2(RENAME_EXCHANGE)``), so ``final_dir`` is the old or the new checkpoint at every
+    moment; elsewhere the old one is renamed aside to ``.<name>.replaced-*`` first, and
+    :func:`~ckptd.catalog.collect_garbage` completes an overwrite a crash interrupted.
+    """
+    if not isinstance(storage, LocalStorage) or staging_dir == final_dir:
         return
-    replaced = None
-    if os.path.exists(final_dir):
-        if not overwrite:
-            raise CheckpointExistsError(f"checkpoint {final_dir} already exists; pass overwrite=True to replace it")
-        parent, base = os.path.split(final_dir)
-        replaced = os.path.join(parent, f".{base}.replaced-{secrets.token_hex(4)}")
-        os.rename(final_dir, replaced)
+    if os.path.lexists(final_dir) and read_manifest(storage, final_dir) is None:
+        logger.warning("ckptd: removing %s: it has no valid manifest (left by a crash)", final_dir)
+        discard_directory(storage, final_dir)
+    if not os.path.lexists(final_dir):
+        storage.publish_directory(staging_dir, final_dir)
+        return
+    if not overwrite:
+        raise CheckpointExistsError(f"checkpoint {final_dir} already exists; pass overwrite=True to replace it")
+    if storage.exchange_directories(staging_dir, final_dir):
+        discard_directory(storage, staging_dir, os.path.basename(final_dir))  # now the old checkpoint
+        return
+    parent, base = os.path.split(final_dir)
+    replaced = os.path.join(parent, leftover_name(base, "replaced"))
+    storage.rename_directory(final_dir, replaced)
     try:
         storage.publish_directory(staging_dir, final_dir)
     except BaseException:
-        if replaced is not None and not os.path.exists(final_dir):
-            os.rename(replaced, final_dir)  # the old checkpoint stays the committed one
+        if not os.path.lexists(final_dir):
+            storage.rename_directory(replaced, final_dir)  # the old checkpoint stays the committed one
         raise
-    if replaced is not None:
-        storage.remove_tree(replaced)
+    storage.remove_tree(replaced)

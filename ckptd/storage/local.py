@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno as errno_codes
 import fcntl
+import logging
 import os
+import platform
 import secrets
 import shutil
 from collections.abc import Callable, Iterable, Sequence
@@ -12,7 +15,74 @@ from collections.abc import Callable, Iterable, Sequence
 from ..errors import CheckpointExistsError, StorageError
 from .base import Stopped, StorageTuning, storage_error
 
-__all__ = ["LocalStorage"]
+__all__ = ["LocalStorage", "exchange_paths"]
+
+logger = logging.getLogger(__name__)
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_RENAMEAT2_SYSCALL = {"x86_64": 316, "amd64": 316, "aarch64": 276, "arm64": 276}
+# Errors meaning "this kernel or filesystem cannot exchange": fall back to two renames.
+_NO_EXCHANGE = {errno_codes.ENOSYS, errno_codes.EINVAL, errno_codes.ENOTSUP, errno_codes.EOPNOTSUPP}
+_renameat2: Callable[[bytes, bytes], int] | None = None
+_renameat2_loaded = False
+
+
+def _load_renameat2() -> Callable[[bytes, bytes], int] | None:
+    """``renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE)`` through libc, or the raw system
+    call where libc lacks the wrapper (glibc < 2.28); ``None`` where neither exists."""
+    global _renameat2, _renameat2_loaded
+    if _renameat2_loaded:
+        return _renameat2
+    _renameat2_loaded = True
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    function = getattr(libc, "renameat2", None)
+    if function is not None:
+        function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        function.restype = ctypes.c_int
+        _renameat2 = lambda a, b: function(_AT_FDCWD, a, _AT_FDCWD, b, _RENAME_EXCHANGE)  # noqa: E731
+        return _renameat2
+    number = _RENAMEAT2_SYSCALL.get(platform.machine().lower())
+    syscall = getattr(libc, "syscall", None)
+    if number is None or syscall is None:
+        return None
+    syscall.restype = ctypes.c_long
+
+    def raw(a: bytes, b: bytes) -> int:
+        return int(
+            syscall(
+                ctypes.c_long(number),
+                ctypes.c_int(_AT_FDCWD),
+                ctypes.c_char_p(a),
+                ctypes.c_int(_AT_FDCWD),
+                ctypes.c_char_p(b),
+                ctypes.c_uint(_RENAME_EXCHANGE),
+            )
+        )
+
+    _renameat2 = raw
+    return _renameat2
+
+
+def exchange_paths(a: str, b: str) -> bool:
+    """Swap two existing paths atomically (``renameat2`` with ``RENAME_EXCHANGE``).
+
+    Returns False, having changed nothing, where the platform, kernel or filesystem cannot do it;
+    raises :class:`StorageError` for any other failure.
+    """
+    function = _load_renameat2()
+    if function is None:
+        return False
+    if function(os.fsencode(a), os.fsencode(b)) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _NO_EXCHANGE:
+        logger.debug("ckptd: cannot exchange %s and %s atomically (%s); using two renames", a, b, os.strerror(code))
+        return False
+    raise storage_error("exchange with", b, OSError(code, os.strerror(code)), code)
 
 
 class _Reader:
@@ -118,10 +188,21 @@ class LocalStorage:
         return out
 
     def makedirs(self, path: str) -> None:
+        """Create ``path`` and missing parents; each new directory is fsynced into its parent."""
+        missing = []
+        current = os.path.abspath(path)
+        while not os.path.isdir(current):
+            missing.append(current)
+            parent = os.path.dirname(current)
+            if parent == current:
+                break
+            current = parent
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as e:
             raise storage_error("create directory", path, e) from e
+        for created in reversed(missing):
+            self.fsync_directory(os.path.dirname(created))
 
     def write_view(
         self,
@@ -235,8 +316,11 @@ class LocalStorage:
             finally:
                 os.close(fd)
             os.replace(tmp, path)
+            self.fsync_directory(os.path.dirname(path) or ".")
         except OSError as e:
             self.remove(tmp)
+            if isinstance(e, StorageError):
+                raise
             raise storage_error("write", path, e) from e
         except BaseException:
             self.remove(tmp)
@@ -272,7 +356,10 @@ class LocalStorage:
 
     def fsync_directory(self, path: str) -> None:
         """Make a directory's entries durable (after creating or renaming files in it)."""
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise storage_error("open directory", path, e) from e
         try:
             os.fsync(fd)
         except OSError as e:
@@ -290,3 +377,23 @@ class LocalStorage:
                 raise CheckpointExistsError(f"checkpoint {final} already exists") from e
             raise storage_error("rename to", final, e) from e
         self.fsync_directory(os.path.dirname(final) or ".")
+
+    def rename_directory(self, source: str, target: str) -> None:
+        """Rename ``source`` to a ``target`` that does not exist, and fsync the parent."""
+        try:
+            os.rename(source, target)
+        except OSError as e:
+            if e.errno in (errno_codes.ENOTEMPTY, errno_codes.EEXIST, errno_codes.EISDIR):
+                raise CheckpointExistsError(f"{target} already exists") from e
+            raise storage_error("rename to", target, e) from e
+        self.fsync_directory(os.path.dirname(target) or ".")
+
+    def exchange_directories(self, staging: str, final: str) -> bool:
+        """Atomically swap ``staging`` (fsynced first) with the existing ``final``, then fsync
+        the parent: ``final`` is the new directory and ``staging`` holds the old one.  Returns
+        False, having changed nothing, where the filesystem cannot exchange."""
+        self.fsync_directory(staging)
+        if not exchange_paths(staging, final):
+            return False
+        self.fsync_directory(os.path.dirname(final) or ".")
+        return True

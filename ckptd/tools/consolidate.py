@@ -8,14 +8,13 @@ shard files, so memory stays bounded by the largest tensor, whatever the checkpo
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from typing import Any
 
 from .._version import __version__
 from ..errors import CheckpointNotFoundError
 from ..formats.manifest import FileRecord, Manifest, TensorRecord
-from ..formats.names import shard_file_name
+from ..formats.names import leftover_name, shard_file_name
 from ..load.reader import CheckpointReader
 from ..options import DEFAULT_MAX_SHARD_SIZE, parse_size
 from ..save.commit import ComponentInfo, claim_step, finalize_checkpoint
@@ -54,7 +53,7 @@ def consolidate(
     started = time.perf_counter()
     if storage.local:
         parent, base = os.path.split(final)
-        staging = os.path.join(parent, f".{base}.tmp-{secrets.token_hex(4)}")
+        staging = os.path.join(parent, leftover_name(base, "tmp"))  # collect_garbage knows the name
     else:
         staging = final
         claim_step(storage, final, overwrite=False)

@@ -1,0 +1,141 @@
+"""Loaded by every Python process of a reliability test (this folder is put first on PYTHONPATH).
+
+It wraps the OS calls a save makes (rename, unlink, rmdir, mkdir, fsync, write) and, driven by
+two environment variables that only the tests set, either
+
+* ``CKPTD_TEST_RECORD=<file>``: appends ``<pid> <op> <path> [<path2>]`` for every call (fd
+  calls are named by the file the fd refers to), or
+* ``CKPTD_TEST_KILL=<op>|<regex>|<n>|<before|after>``: SIGKILLs the whole process group (the
+  trainer and its writer process) at the ``n``-th call of ``op`` on a path matching ``regex``,
+  before or after the call.  ``op`` ``http`` matches the request line of an HTTP request sent
+  on a socket (``PUT /bucket/run/checkpoint-000002/checkpoint_manifest.json HTTP/1.1``): the
+  object-store kill points.
+
+The library has no test hooks: crashes happen at the system-call boundary, as a power cut or
+``kill -9`` would strike.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+
+_original = {
+    name: getattr(os, name)
+    for name in ("rename", "replace", "unlink", "rmdir", "mkdir", "fsync", "fdatasync", "write", "pwrite")
+}
+_OP_OF = {
+    "rename": "rename",
+    "replace": "rename",
+    "unlink": "unlink",
+    "rmdir": "rmdir",
+    "mkdir": "mkdir",
+    "fsync": "fsync",
+    "fdatasync": "fsync",
+    "write": "write",
+    "pwrite": "write",
+}
+_FD_CALLS = {"fsync", "fdatasync", "write", "pwrite"}
+
+
+def _fd_path(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"fd:{fd}"
+
+
+def _arg_path(value: object, dir_fd: int | None) -> str:
+    path = os.fsdecode(value) if isinstance(value, (str, bytes, os.PathLike)) else str(value)
+    if dir_fd is not None and not os.path.isabs(path):
+        return os.path.join(_fd_path(dir_fd), path)
+    return os.path.abspath(path)
+
+
+_state: dict[str, object] = {"op": "", "when": "", "regex": re.compile("$^"), "left": 0, "log": -1}
+
+
+def configure() -> None:
+    """Read ``CKPTD_TEST_KILL`` / ``CKPTD_TEST_RECORD`` (again) and wrap the OS calls if either is
+    set: run at start-up, and by a process forked from a pre-loaded one (see ``zygote.py``)."""
+    kill = os.environ.get("CKPTD_TEST_KILL")
+    record = os.environ.get("CKPTD_TEST_RECORD")
+    if kill:
+        op, pattern, count, when = kill.split("|")
+        _state.update(op=op, regex=re.compile(pattern), left=int(count), when=when)
+    if record:
+        _state["log"] = os.open(record, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    if kill or record:
+        for name in _original:
+            setattr(os, name, _wrap(name))
+        _wrap_sockets()
+
+
+_HTTP = re.compile(rb"^(GET|PUT|POST|DELETE|HEAD) [^ ]+ HTTP/1")
+
+
+def _decide(op: str, paths: list[str]) -> bool:
+    """Log the call; True when it is the one to die at."""
+    log = _state["log"]
+    if log >= 0 and not paths[0].startswith(("pipe:", "socket:", "/dev/")):
+        line = f"{os.getpid()} {op} {' '.join(paths)}\n".encode()
+        _original["write"](log, line)
+    hit = op == _state["op"] and _state["left"] > 0 and any(_state["regex"].search(p) for p in paths)
+    if hit:
+        _state["left"] -= 1
+        hit = _state["left"] == 0
+    return hit
+
+
+def _die() -> None:
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def _wrap_sockets() -> None:
+    for name in ("send", "sendall"):
+        real = getattr(socket.socket, name)
+
+        def wrapper(self, data, *args, _real=real):  # type: ignore[no-untyped-def]
+            head = bytes(memoryview(data)[:300])
+            match = _HTTP.match(head)
+            hit = bool(match) and _decide("http", [head.split(b"\r\n", 1)[0].decode("latin-1")])
+            if hit and _state["when"] == "before":
+                _die()
+            result = _real(self, data, *args)
+            if hit:
+                _die()
+            return result
+
+        setattr(socket.socket, name, wrapper)
+
+
+def _wrap(name: str):  # type: ignore[no-untyped-def]
+    real = _original[name]
+    op = _OP_OF[name]
+
+    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if name in _FD_CALLS:
+            paths = [_fd_path(args[0])]
+        elif op == "rename":
+            paths = [
+                _arg_path(args[0], kwargs.get("src_dir_fd")),
+                _arg_path(args[1], kwargs.get("dst_dir_fd")),
+            ]
+        else:
+            paths = [_arg_path(args[0], kwargs.get("dir_fd"))]
+        hit = _decide(op, paths)
+        if hit and _state["when"] == "before":
+            _die()
+        result = real(*args, **kwargs)
+        if hit:
+            _die()
+        return result
+
+    wrapper.__name__ = real.__name__
+    wrapper.__doc__ = real.__doc__
+    return wrapper
+
+
+configure()
