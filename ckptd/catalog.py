@@ -303,8 +303,9 @@ class Leftover:
     ``kind`` is ``"staging"`` (a hidden staging directory), ``"replaced"`` (an overwritten
     checkpoint not yet removed), ``"deleting"`` (a checkpoint being removed) or ``"incomplete"``
     (a ``checkpoint-<step>`` without a valid manifest).  ``active`` is true when the save that
-    owns it is still running on this host; ``collectable`` when :func:`collect_garbage` removes it once its owner is gone (staging
-    directories on local disks, unfinished prefixes on object stores); others are left to people.
+    owns it is still running on this host; ``collectable`` when :func:`collect_garbage` removes
+    it once its owner is gone (hidden leftovers on local disks, unfinished prefixes on object
+    stores); others are left to people.
     """
 
     name: str
