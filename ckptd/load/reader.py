@@ -10,7 +10,6 @@ stay inside the checkpoint directory.  Sizes are checked on every load; CRC32C w
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -27,7 +26,8 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..formats.checksum import crc32c, format_crc
-from ..formats.manifest import Manifest, TensorRecord, parse_hf_index, parse_state_file
+from ..formats.json_files import parse_json, read_small_file
+from ..formats.manifest import FileRecord, Manifest, TensorRecord, parse_hf_index, parse_state_file
 from ..formats.names import MANIFEST_NAME, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_BIN_INDEX, TORCH_BIN_SINGLE
 from ..formats.safetensors import SafetensorsHeader, read_header
 from ..formats.torch_bin import load_bin, load_bin_bytes
@@ -139,7 +139,7 @@ class CheckpointReader:
     @classmethod
     def _ckptd(cls, directory: str, storage: Storage, cache: FileCache | None = None) -> CheckpointReader:
         where = storage.join(directory, MANIFEST_NAME)
-        manifest = Manifest.from_json(storage.read_bytes(where), where)
+        manifest = Manifest.from_json(read_small_file(storage, where, follow_symlinks=False), where)
         listings: dict[str, dict[str, int]] = {}
         for name, record in manifest.files.items():
             holder = _holder(storage, directory, record.checkpoint)
@@ -157,7 +157,9 @@ class CheckpointReader:
         for name, component in manifest.components.items():
             aliases = {alias: group[0] for group in component.tied for alias in group[1:]}
             if component.kind == "torch_bin" and component.index:
-                index = _read_index(storage, _safe_path(storage, directory, component.index, where))
+                index_path = _safe_path(storage, directory, component.index, where)
+                data = _read_listed(storage, index_path, manifest.files.get(component.index))
+                index = parse_hf_index(data, index_path)
                 sources[name] = _Source("torch_bin", index[0], None, aliases)
             elif component.tensors:
                 weight_map = {key: record.file for key, record in component.tensors.items()}
@@ -193,7 +195,15 @@ class CheckpointReader:
             header = reader._header(name)
             reader.kind = "safetensors"
             aliases = {}
-            for group in json.loads(header.metadata.get("param_sharing", "[]") or "[]"):
+            where = reader._path(name)
+            groups = parse_json(
+                (header.metadata.get("param_sharing") or "[]").encode(), where, "param_sharing metadata"
+            )
+            if not isinstance(groups, list) or not all(
+                isinstance(g, list) and g and all(isinstance(k, str) for k in g) for g in groups
+            ):
+                raise CorruptCheckpointError(f"{where}: param_sharing metadata is not a list of key lists")
+            for group in groups:
                 aliases.update({k: group[0] for k in group[1:] if k not in header.entries})
             reader._sources["model"] = _Source("safetensors", dict.fromkeys(header.entries, name), None, aliases)
         return reader
@@ -231,7 +241,8 @@ class CheckpointReader:
         if verify:
             self.verify([self.manifest.state_file])
         where = _safe_path(self.storage, self.directory, self.manifest.state_file, MANIFEST_NAME)
-        return parse_state_file(self.storage.read_bytes(where), where)
+        record = self.manifest.files.get(self.manifest.state_file)
+        return parse_state_file(_read_listed(self.storage, where, record), where)
 
     def _source(self, component: str) -> _Source:
         try:
@@ -391,7 +402,23 @@ class CheckpointReader:
 
 
 def _read_index(storage: Storage, where: str) -> tuple[dict[str, str], dict[str, str]]:
-    return parse_hf_index(storage.read_bytes(where), where)
+    """An HF index (a symlink is followed: the HF hub cache links snapshots to blobs)."""
+    return parse_hf_index(read_small_file(storage, where), where)
+
+
+def _read_listed(storage: Storage, path: str, record: FileRecord | None) -> bytes:
+    """A small file listed in the manifest (state file, index), checked against its size and
+    CRC32C on every read: it is small, and an edit must not load."""
+    data = read_small_file(storage, path, follow_symlinks=False)
+    if record is None:
+        return data
+    actual = format_crc(crc32c(data))
+    if len(data) != record.size or actual != record.crc32c:
+        raise CorruptCheckpointError(
+            f"{path}: {len(data)} bytes with CRC32C {actual}, but the manifest says {record.size} bytes with "
+            f"{record.crc32c}: the file was edited or is corrupt"
+        )
+    return data
 
 
 def _is_single_file(storage: Storage, path: str) -> bool:
