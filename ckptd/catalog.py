@@ -7,12 +7,15 @@ listing and removed by :func:`collect_garbage` once their owner is gone.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from .errors import CorruptCheckpointError, StorageError
+from .errors import CkptdError, MissingFileError
+from .formats.json_files import read_small_file
 from .formats.manifest import Manifest
 from .formats.names import (
     CLAIM_NAME,
@@ -38,6 +41,8 @@ __all__ = [
     "staging_dir_name",
 ]
 
+logger = logging.getLogger(__name__)
+
 _STALE_SECONDS = 24 * 3600
 
 
@@ -55,11 +60,20 @@ class CheckpointInfo:
 
 
 def read_manifest(storage: Storage, path: str) -> Manifest | None:
-    """The manifest of a checkpoint directory, or ``None`` if it has none or it is invalid."""
+    """The manifest of a checkpoint directory, or ``None`` if it has none or it is invalid.
+
+    A bad manifest (malformed, edited, a FIFO, a symlink, huge, deeply nested) never stops a
+    caller listing the root: it is logged as a warning naming the file, and skipped.
+    """
     where = storage.join(path, MANIFEST_NAME)
     try:
-        return Manifest.from_json(storage.read_bytes(where), where)
-    except (FileNotFoundError, NotADirectoryError, StorageError, CorruptCheckpointError):
+        return Manifest.from_json(read_small_file(storage, where, follow_symlinks=False), where)
+    except (MissingFileError, FileNotFoundError, NotADirectoryError):
+        return None
+    except (CkptdError, OSError) as e:
+        if isinstance(e, OSError) and e.errno == errno.ENOTDIR:
+            return None  # a plain file named like a checkpoint
+        logger.warning("skipping %s: %s", path, e)
         return None
 
 
