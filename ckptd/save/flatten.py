@@ -347,7 +347,7 @@ def _decode_tree(tree: Any, tensors: Mapping[str, torch.Tensor], allow_pickle: b
         if tag == "device":
             return torch.device(node["value"])
         if tag == "bytes":
-            return base64.b64decode(node["b64"])
+            return base64.b64decode(node["b64"], validate=True)
         if tag == "ndarray":
             return tensors[node["key"]].cpu().numpy()
         if tag == "npscalar":
