@@ -190,6 +190,14 @@ def _offsets(value: Any) -> tuple[int, int]:
     return _int(items[0], "offsets"), _int(items[1], "offsets")
 
 
+def _timings(value: Any) -> dict[str, float]:
+    timings = _object(value, "timings")
+    for name, seconds in timings.items():
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise TypeError(f"timing {name!r} must be a number, not {type(seconds).__name__}")
+    return dict(timings)
+
+
 def _canonical(body: Mapping[str, Any]) -> bytes:
     """The bytes the manifest checksum covers: the body without ``checksum``, keys sorted, no
     whitespace (so re-indenting the file does not matter, any change of meaning does)."""
@@ -324,7 +332,7 @@ class Manifest:
             components=components,
             files=files,
             state_file=state_file,
-            timings=dict(_object(body.get("timings") or {}, "timings")),
+            timings=_timings(body.get("timings") or {}),
             metadata=dict(_object(body.get("metadata") or {}, "metadata")),
             metrics=dict(_object(body.get("metrics") or {}, "metrics")),
             format_version=version,
