@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..errors import CkptdError, CorruptCheckpointError
+from ..errors import CkptdError, CorruptCheckpointError, UnsupportedValueError
 from ..storage import check_file_name
 from .checksum import crc32c, format_crc
-from .json_files import parse_json
+from .json_files import MAX_JSON_DEPTH, json_depth, parse_json
 from .names import parse_step
 from .safetensors import DTYPE_ITEMSIZE
 
@@ -190,6 +190,18 @@ def _offsets(value: Any) -> tuple[int, int]:
     return _int(items[0], "offsets"), _int(items[1], "offsets")
 
 
+def _check_user_json(value: Any, what: str) -> None:
+    """Refuse ``metadata``/``metrics`` the manifest could not store or a reader would refuse."""
+    try:
+        text = json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except (TypeError, ValueError, RecursionError, UnicodeError) as e:
+        raise UnsupportedValueError(
+            f"{what} must be JSON-serializable (strings, numbers, lists, dicts): {type(e).__name__}: {e}"
+        ) from e
+    if json_depth(text) > MAX_JSON_DEPTH - 2:
+        raise UnsupportedValueError(f"{what} is nested deeper than {MAX_JSON_DEPTH - 2} levels; flatten it")
+
+
 def _timings(value: Any) -> dict[str, float]:
     timings = _object(value, "timings")
     for name, seconds in timings.items():
@@ -271,6 +283,8 @@ class Manifest:
             "metadata": self.metadata,
             "metrics": self.metrics,
         }
+        for what in ("metadata", "metrics"):
+            _check_user_json(body[what], what)
         body[_CHECKSUM_KEY] = format_crc(crc32c(_canonical(body)))
         return json.dumps(body, indent=1, ensure_ascii=False).encode("utf-8")
 

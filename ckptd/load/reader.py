@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -265,6 +266,8 @@ class CheckpointReader:
         if self.cache is not None:
             record = self.manifest.files.get(file_name) if self.manifest is not None else None
             return self.cache.open(self.storage, path, file_name, record)
+        if self.storage.local:
+            _check_regular(path)
         return self.storage.open_reader(path)
 
     def _header(self, file_name: str) -> SafetensorsHeader:
@@ -397,6 +400,7 @@ class CheckpointReader:
     def _load_bin(self, file_name: str) -> dict[str, torch.Tensor]:
         path = self._path(file_name)
         if self.storage.local:
+            _check_regular(path)
             return load_bin(path)
         return load_bin_bytes(self.storage.read_bytes(path), path)
 
@@ -419,6 +423,16 @@ def _read_listed(storage: Storage, path: str, record: FileRecord | None) -> byte
             f"{record.crc32c}: the file was edited or is corrupt"
         )
     return data
+
+
+def _check_regular(path: str) -> None:
+    """Refuse a FIFO, device or directory where a data file should be (opening a FIFO blocks)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # the open that follows reports it
+    if not stat.S_ISREG(mode):
+        raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO, device or directory): refusing to read it")
 
 
 def _is_single_file(storage: Storage, path: str) -> bool:

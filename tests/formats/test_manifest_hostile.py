@@ -277,3 +277,26 @@ def test_index_that_is_not_json(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": ')
     with pytest.raises(CorruptCheckpointError, match="index"):
         ckptd.load_checkpoint(str(tmp_path))
+
+
+@pytest.mark.timeout(60)
+def test_shard_that_is_a_fifo_is_refused(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}})
+    )
+    os.mkfifo(tmp_path / "model-00001-of-00001.safetensors")  # opening it would block forever
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        ckptd.load_checkpoint(str(tmp_path))
+
+
+def test_metadata_that_json_cannot_hold_is_unsupported_on_save(checkpointer):
+    with pytest.raises(UnsupportedValueError, match="metadata"):
+        checkpointer.save(1, {"model": {"w": torch.ones(1)}}, metadata={"x": object()})
+    deep: object = 1
+    for _ in range(600):
+        deep = [deep]
+    with pytest.raises(UnsupportedValueError, match="metrics"):
+        checkpointer.save(2, {"model": {"w": torch.ones(1)}}, metrics={"x": deep})
+    assert checkpointer.steps() == []
+    checkpointer.save(3, {"model": {"w": torch.ones(1)}}, metrics={"loss": float("nan")})
+    assert checkpointer.manifest(3).metrics["loss"] != checkpointer.manifest(3).metrics["loss"]  # NaN kept
