@@ -30,12 +30,15 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, StorageError, UnsafeCheckpointError
 from ..storage import Storage, storage_error
+from .checksum import crc32c, format_crc
 
 __all__ = [
     "DEFAULT_JSON_LIMIT",
     "MAX_JSON_DEPTH",
     "json_depth",
+    "check_regular_file",
     "parse_json",
+    "read_listed_file",
     "read_small_file",
     "read_small_json",
 ]
@@ -113,6 +116,33 @@ def read_small_json(
     """:func:`read_small_file` then :func:`parse_json`."""
     data = read_small_file(storage, path, limit=limit, follow_symlinks=follow_symlinks)
     return parse_json(data, path, what, allow_constants=allow_constants)
+
+
+def read_listed_file(storage: Storage, path: str, record: Any) -> bytes:
+    """A small file the manifest lists (state file, index): read with :func:`read_small_file`
+    (no symlinks) and checked against the record's ``size`` and ``crc32c`` on every read (it is
+    small, and an edit must not load).  ``record`` ``None`` skips the check."""
+    data = read_small_file(storage, path, follow_symlinks=False)
+    if record is None:
+        return data
+    actual = format_crc(crc32c(data))
+    if len(data) != record.size or actual != record.crc32c:
+        raise CorruptCheckpointError(
+            f"{path}: {len(data)} bytes with CRC32C {actual}, but the manifest says {record.size} bytes with "
+            f"{record.crc32c}: the file was edited or is corrupt"
+        )
+    return data
+
+
+def check_regular_file(path: str) -> None:
+    """Refuse a local FIFO, device or directory where a data file should be (opening a FIFO
+    blocks); a missing path is left to the open that follows."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO, device or directory): refusing to read it")
 
 
 def _too_big(path: str, size: int, limit: int) -> CorruptCheckpointError:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,8 +26,8 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..formats.checksum import crc32c, format_crc
-from ..formats.json_files import parse_json, read_small_file
-from ..formats.manifest import FileRecord, Manifest, TensorRecord, parse_hf_index, parse_state_file
+from ..formats.json_files import check_regular_file, parse_json, read_listed_file, read_small_file
+from ..formats.manifest import Manifest, TensorRecord, parse_hf_index, parse_state_file
 from ..formats.names import MANIFEST_NAME, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_BIN_INDEX, TORCH_BIN_SINGLE
 from ..formats.safetensors import SafetensorsHeader, read_header
 from ..formats.torch_bin import load_bin, load_bin_bytes
@@ -159,7 +158,7 @@ class CheckpointReader:
             aliases = {alias: group[0] for group in component.tied for alias in group[1:]}
             if component.kind == "torch_bin" and component.index:
                 index_path = _safe_path(storage, directory, component.index, where)
-                data = _read_listed(storage, index_path, manifest.files.get(component.index))
+                data = read_listed_file(storage, index_path, manifest.files.get(component.index))
                 index = parse_hf_index(data, index_path)
                 sources[name] = _Source("torch_bin", index[0], None, aliases)
             elif component.tensors:
@@ -243,7 +242,7 @@ class CheckpointReader:
             self.verify([self.manifest.state_file])
         where = _safe_path(self.storage, self.directory, self.manifest.state_file, MANIFEST_NAME)
         record = self.manifest.files.get(self.manifest.state_file)
-        return parse_state_file(_read_listed(self.storage, where, record), where)
+        return parse_state_file(read_listed_file(self.storage, where, record), where)
 
     def _source(self, component: str) -> _Source:
         try:
@@ -267,7 +266,7 @@ class CheckpointReader:
             record = self.manifest.files.get(file_name) if self.manifest is not None else None
             return self.cache.open(self.storage, path, file_name, record)
         if self.storage.local:
-            _check_regular(path)
+            check_regular_file(path)
         return self.storage.open_reader(path)
 
     def _header(self, file_name: str) -> SafetensorsHeader:
@@ -400,7 +399,7 @@ class CheckpointReader:
     def _load_bin(self, file_name: str) -> dict[str, torch.Tensor]:
         path = self._path(file_name)
         if self.storage.local:
-            _check_regular(path)
+            check_regular_file(path)
             return load_bin(path)
         return load_bin_bytes(self.storage.read_bytes(path), path)
 
@@ -408,31 +407,6 @@ class CheckpointReader:
 def _read_index(storage: Storage, where: str) -> tuple[dict[str, str], dict[str, str]]:
     """An HF index (a symlink is followed: the HF hub cache links snapshots to blobs)."""
     return parse_hf_index(read_small_file(storage, where), where)
-
-
-def _read_listed(storage: Storage, path: str, record: FileRecord | None) -> bytes:
-    """A small file listed in the manifest (state file, index), checked against its size and
-    CRC32C on every read: it is small, and an edit must not load."""
-    data = read_small_file(storage, path, follow_symlinks=False)
-    if record is None:
-        return data
-    actual = format_crc(crc32c(data))
-    if len(data) != record.size or actual != record.crc32c:
-        raise CorruptCheckpointError(
-            f"{path}: {len(data)} bytes with CRC32C {actual}, but the manifest says {record.size} bytes with "
-            f"{record.crc32c}: the file was edited or is corrupt"
-        )
-    return data
-
-
-def _check_regular(path: str) -> None:
-    """Refuse a FIFO, device or directory where a data file should be (opening a FIFO blocks)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return  # the open that follows reports it
-    if not stat.S_ISREG(mode):
-        raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO, device or directory): refusing to read it")
 
 
 def _is_single_file(storage: Storage, path: str) -> bool:
