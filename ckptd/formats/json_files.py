@@ -95,10 +95,14 @@ def read_small_file(
     ``limit`` bytes (and, with ``follow_symlinks=False``, a symlink)."""
     if storage.local:
         return _read_local(path, limit, follow_symlinks)
-    size = storage.size(path)
-    if size > limit:
-        raise _too_big(path, size, limit)
-    data = storage.read_bytes(path)
+    fetch_ranges = getattr(storage, "fetch_ranges", None)
+    if fetch_ranges is not None:  # one ranged GET that cannot return more than limit + 1 bytes
+        data = fetch_ranges(path, [(0, limit + 1)])[0]
+    else:
+        size = storage.size(path)
+        if size > limit:
+            raise _too_big(path, size, limit)
+        data = storage.read_bytes(path)
     if len(data) > limit:
         raise _too_big(path, len(data), limit)
     return data
