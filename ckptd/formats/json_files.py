@@ -28,7 +28,7 @@ import re
 import stat
 from typing import Any
 
-from ..errors import CorruptCheckpointError, StorageError, UnsafeCheckpointError
+from ..errors import ConfigError, CorruptCheckpointError, StorageError, UnsafeCheckpointError
 from ..storage import Storage, storage_error
 from .checksum import crc32c, format_crc
 
@@ -43,8 +43,21 @@ __all__ = [
     "read_small_json",
 ]
 
-DEFAULT_JSON_LIMIT = int(os.environ.get("CKPTD_MAX_JSON_BYTES", 256 * 1024 * 1024))
+DEFAULT_JSON_LIMIT = 256 * 1024 * 1024
 """Largest manifest, state or index file read (bytes); ``CKPTD_MAX_JSON_BYTES`` overrides it."""
+
+
+def _limit(limit: int | None) -> int:
+    if limit is not None:
+        return limit
+    text = os.environ.get("CKPTD_MAX_JSON_BYTES")
+    if not text:
+        return DEFAULT_JSON_LIMIT
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"CKPTD_MAX_JSON_BYTES={text!r} is not a number of bytes") from None
+
 
 MAX_JSON_DEPTH = 512
 """Deepest nesting of arrays and objects accepted (a save refuses state nested deeper)."""
@@ -88,16 +101,18 @@ def parse_json(data: bytes, where: str, what: str = "file", *, allow_constants: 
         raise CorruptCheckpointError(f"{where}: {what} is not valid JSON ({type(e).__name__}: {e})") from e
 
 
-def read_small_file(
-    storage: Storage, path: str, *, limit: int = DEFAULT_JSON_LIMIT, follow_symlinks: bool = True
-) -> bytes:
+def read_small_file(storage: Storage, path: str, *, limit: int | None = None, follow_symlinks: bool = True) -> bytes:
     """The bytes of a small file, refusing anything that is not a regular file of at most
-    ``limit`` bytes (and, with ``follow_symlinks=False``, a symlink)."""
+    ``limit`` bytes (default :data:`DEFAULT_JSON_LIMIT`; and, with ``follow_symlinks=False``,
+    a symlink)."""
+    limit = _limit(limit)
     if storage.local:
         return _read_local(path, limit, follow_symlinks)
     fetch_ranges = getattr(storage, "fetch_ranges", None)
     if fetch_ranges is not None:  # one ranged GET that cannot return more than limit + 1 bytes
         data = fetch_ranges(path, [(0, limit + 1)])[0]
+        if len(data) > limit:
+            raise _too_big(path, None, limit)
     else:
         size = storage.size(path)
         if size > limit:
@@ -113,7 +128,7 @@ def read_small_json(
     path: str,
     *,
     what: str = "file",
-    limit: int = DEFAULT_JSON_LIMIT,
+    limit: int | None = None,
     follow_symlinks: bool = True,
     allow_constants: bool = False,
 ) -> Any:
@@ -149,9 +164,10 @@ def check_regular_file(path: str) -> None:
         raise CorruptCheckpointError(f"{path} is not a regular file (a FIFO, device or directory): refusing to read it")
 
 
-def _too_big(path: str, size: int, limit: int) -> CorruptCheckpointError:
+def _too_big(path: str, size: int | None, limit: int) -> CorruptCheckpointError:
+    amount = "" if size is None else f" ({size} bytes)"
     return CorruptCheckpointError(
-        f"{path}: {size} bytes is larger than the {limit}-byte limit for checkpoint metadata files "
+        f"{path}{amount} is larger than the {limit}-byte limit for checkpoint metadata files "
         "(set CKPTD_MAX_JSON_BYTES to raise it if the file is genuine)"
     )
 

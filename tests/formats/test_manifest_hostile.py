@@ -300,3 +300,16 @@ def test_metadata_that_json_cannot_hold_is_unsupported_on_save(checkpointer):
     assert checkpointer.steps() == []
     checkpointer.save(3, {"model": {"w": torch.ones(1)}}, metrics={"loss": float("nan")})
     assert checkpointer.manifest(3).metrics["loss"] != checkpointer.manifest(3).metrics["loss"]  # NaN kept
+
+
+def test_size_limit_comes_from_the_environment(saved, monkeypatch):
+    checkpointer, path, state = saved
+    monkeypatch.setenv("CKPTD_MAX_JSON_BYTES", "100")
+    with pytest.raises(CorruptCheckpointError, match="CKPTD_MAX_JSON_BYTES"):
+        checkpointer.load(1)
+    assert checkpointer.steps() == []
+    monkeypatch.setenv("CKPTD_MAX_JSON_BYTES", "lots")
+    with pytest.raises(ckptd.errors.ConfigError, match="CKPTD_MAX_JSON_BYTES"):
+        read_small_file(LocalStorage(), os.path.join(path, MANIFEST))
+    monkeypatch.delenv("CKPTD_MAX_JSON_BYTES")
+    assert_same(state["model"], checkpointer.load(1)["model"])
