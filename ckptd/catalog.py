@@ -44,6 +44,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _STALE_SECONDS = 24 * 3600
+_reported: set[str] = set()  # bad manifests already logged
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,11 @@ def read_manifest(storage: Storage, path: str) -> Manifest | None:
     except (CkptdError, OSError) as e:
         if isinstance(e, OSError) and e.errno == errno.ENOTDIR:
             return None  # a plain file named like a checkpoint
-        logger.warning("skipping %s: %s", path, e)
+        report = f"{path}: {e}"
+        if report not in _reported:  # once per process, not on every listing
+            if len(_reported) < 10_000:
+                _reported.add(report)
+            logger.warning("skipping %s (not a valid checkpoint): %s", path, e)
         return None
 
 

@@ -276,6 +276,7 @@ def _entry_points(directory: str, root: str, ckpt: ckptd.Checkpointer) -> dict[s
     def cli_commands() -> Any:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             cli.main(["info", directory])
+            assert cli.main(["ls", root]) == 0
             return cli.main(["verify", directory])
 
     return {
