@@ -18,12 +18,13 @@ from ..errors import CkptdError, CorruptCheckpointError, UnsupportedValueError
 from ..storage import check_file_name
 from .checksum import crc32c, format_crc
 from .json_files import MAX_JSON_DEPTH, json_depth, parse_json
-from .names import parse_step
+from .names import MANIFEST_NAME, parse_step
 from .safetensors import DTYPE_ITEMSIZE
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "MANIFEST_NAME",
     "ChunkRecord",
     "ComponentRecord",
     "FileRecord",
