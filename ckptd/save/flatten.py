@@ -19,6 +19,7 @@ import base64
 import math
 import pickle
 import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -294,8 +295,7 @@ def tree_tensor_keys(tree: Any, where: str = "") -> list[str]:
 
 
 def _preview(node: Any) -> str:
-    text = repr(node)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return reprlib.repr(node)  # bounded in length and depth: the node may be hostile
 
 
 def restore_tree(tree: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool = False, where: str = "") -> Any:
