@@ -7,6 +7,7 @@ listing and removed by :func:`collect_garbage` once their owner is gone.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -14,7 +15,8 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from .errors import CheckpointExistsError, CorruptCheckpointError, StorageError
+from .errors import CheckpointExistsError, CkptdError, MissingFileError, StorageError
+from .formats.json_files import read_small_file
 from .formats.manifest import Manifest, is_foreign_manifest
 from .formats.names import (
     CLAIM_NAME,
@@ -50,7 +52,10 @@ __all__ = [
     "staging_dir_name",
 ]
 
+logger = logging.getLogger(__name__)
+
 _STALE_SECONDS = 24 * 3600
+_reported: set[str] = set()  # bad manifests already logged
 
 
 @dataclass(frozen=True)
@@ -77,11 +82,27 @@ def find_step(storage: Storage, root: str, step: int) -> str | None:
 
 
 def read_manifest(storage: Storage, path: str) -> Manifest | None:
-    """The manifest of a checkpoint directory, or ``None`` if it has none or it is invalid."""
+    """The manifest of a checkpoint directory, or ``None`` if it has none or it is invalid.
+
+    A bad manifest (malformed, edited, a FIFO, a symlink, huge, deeply nested) never stops a
+    caller listing the root: it is logged as a warning naming the file, and skipped.
+    """
     where = storage.join(path, MANIFEST_NAME)
     try:
-        return Manifest.from_json(storage.read_bytes(where), where)
-    except (FileNotFoundError, NotADirectoryError, StorageError, CorruptCheckpointError):
+        data = read_small_file(storage, where, follow_symlinks=False)
+        if is_foreign_manifest(data):
+            return None  # another tool's commit record (Forgather's trainer): not a ckptd checkpoint
+        return Manifest.from_json(data, where)
+    except (MissingFileError, FileNotFoundError, NotADirectoryError):
+        return None
+    except (CkptdError, OSError) as e:
+        if isinstance(e, OSError) and e.errno == errno.ENOTDIR:
+            return None  # a plain file named like a checkpoint
+        report = f"{path}: {e}"
+        if report not in _reported:  # once per process, not on every listing
+            if len(_reported) < 10_000:
+                _reported.add(report)
+            logger.warning("skipping %s (not a valid checkpoint): %s", path, e)
         return None
 
 
@@ -279,8 +300,8 @@ def _collect_object_store_garbage(storage: Storage, root: str, older_than: float
 def _foreign_checkpoint(storage: Storage, path: str) -> bool:
     """A checkpoint another tool committed (e.g. Forgather's manifest): never garbage."""
     try:
-        return is_foreign_manifest(storage.read_bytes(storage.join(path, MANIFEST_NAME)))
-    except (FileNotFoundError, NotADirectoryError, StorageError):
+        return is_foreign_manifest(read_small_file(storage, storage.join(path, MANIFEST_NAME), follow_symlinks=False))
+    except (FileNotFoundError, NotADirectoryError, CkptdError, OSError):
         return False
 
 

@@ -14,19 +14,23 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from ..errors import CkptdError, CorruptCheckpointError, UnsupportedValueError
 from ..storage import check_file_name
-from .names import parse_step
+from .checksum import crc32c, format_crc
+from .json_files import MAX_JSON_DEPTH, json_depth, parse_json
+from .names import MANIFEST_NAME, parse_step
 from .safetensors import DTYPE_ITEMSIZE
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "MANIFEST_NAME",
     "ChunkRecord",
     "ComponentRecord",
     "FileRecord",
     "Manifest",
     "TensorRecord",
+    "MAX_DIMENSION",
     "hf_index",
     "parse_hf_index",
     "is_foreign_manifest",
@@ -37,6 +41,10 @@ __all__ = [
 
 FORMAT_NAME = "ckptd"
 FORMAT_VERSION = 1
+MAX_DIMENSION = 2**62
+"""Largest tensor dimension (and byte offset) a manifest may state."""
+_MAX_RANK = 64
+_CHECKSUM_KEY = "checksum"
 
 
 def is_foreign_manifest(data: bytes) -> bool:
@@ -50,8 +58,8 @@ def is_foreign_manifest(data: bytes) -> bool:
     if f'"format": "{FORMAT_NAME}"'.encode() in data[:64]:
         return False  # ckptd writes "format" first: no need to parse a large manifest twice
     try:
-        body = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        body = parse_json(data, MANIFEST_NAME, "manifest", allow_constants=True)  # depth-guarded
+    except CkptdError:
         return False
     return isinstance(body, dict) and body.get("format") != FORMAT_NAME and "format_version" not in body
 
@@ -144,17 +152,100 @@ class TensorRecord:
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> TensorRecord:
-        dtype = str(body["dtype"])
-        shape = tuple(int(d) for d in body["shape"])
+        """Parse one tensor entry; raises ``TypeError``/``ValueError``/``KeyError`` when malformed
+        (:meth:`Manifest.from_json` turns those into :class:`CorruptCheckpointError`)."""
+        body = _object(body, "tensor entry")
+        dtype = _str(body["dtype"], "dtype")
+        shape = _dims(body["shape"], "shape")
         if "chunks" not in body:
-            start, end = (int(o) for o in body["offsets"])
-            return cls.whole(dtype, shape, str(body["file"]), start, end)
+            start, end = _offsets(body["offsets"])
+            return cls.whole(dtype, shape, _str(body["file"], "file"), start, end)
         chunks = []
-        for c in body["chunks"]:
-            start, end = (int(o) for o in c["offsets"])
-            offset = tuple(int(o) for o in c["global_offset"])
-            chunks.append(ChunkRecord(str(c["file"]), start, end, offset, tuple(int(d) for d in c["shape"])))
+        for c in _list(body["chunks"], "chunks"):
+            c = _object(c, "chunk")
+            start, end = _offsets(c["offsets"])
+            offset = _dims(c["global_offset"], "global_offset")
+            chunks.append(ChunkRecord(_str(c["file"], "file"), start, end, offset, _dims(c["shape"], "shape")))
         return cls(dtype, shape, tuple(chunks))
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"{what} must be an object, not {type(value).__name__}")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"{what} must be an array, not {type(value).__name__}")
+    return value
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string, not {type(value).__name__}")
+    return value
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an integer, not {type(value).__name__}")
+    if not -MAX_DIMENSION <= value <= MAX_DIMENSION:
+        raise ValueError(f"{what} {value} is out of range")
+    return value
+
+
+def _dims(value: Any, what: str) -> tuple[int, ...]:
+    items = _list(value, what)
+    if len(items) > _MAX_RANK:
+        raise ValueError(f"{what} has {len(items)} dimensions (at most {_MAX_RANK})")
+    return tuple(_int(d, what) for d in items)
+
+
+def _offsets(value: Any) -> tuple[int, int]:
+    items = _list(value, "offsets")
+    if len(items) != 2:
+        raise ValueError(f"offsets must be [start, end], not {len(items)} numbers")
+    return _int(items[0], "offsets"), _int(items[1], "offsets")
+
+
+def _check_user_json(value: Any, what: str) -> None:
+    """Refuse ``metadata``/``metrics`` the manifest could not store or a reader would refuse."""
+    try:
+        text = json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except (TypeError, ValueError, RecursionError, UnicodeError) as e:
+        raise UnsupportedValueError(
+            f"{what} must be JSON-serializable (strings, numbers, lists, dicts): {type(e).__name__}: {e}"
+        ) from e
+    if json_depth(text) > MAX_JSON_DEPTH - 2:
+        raise UnsupportedValueError(f"{what} is nested deeper than {MAX_JSON_DEPTH - 2} levels; flatten it")
+
+
+def _timings(value: Any) -> dict[str, float]:
+    timings = _object(value, "timings")
+    for name, seconds in timings.items():
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise TypeError(f"timing {name!r} must be a number, not {type(seconds).__name__}")
+    return dict(timings)
+
+
+def _canonical(body: Mapping[str, Any]) -> bytes:
+    """The bytes the manifest checksum covers: the body without ``checksum``, keys sorted, no
+    whitespace (so re-indenting the file does not matter, any change of meaning does)."""
+    rest = {k: v for k, v in body.items() if k != _CHECKSUM_KEY}
+    return json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+
+def _check_checksum(body: Any, where: str) -> None:
+    if not isinstance(body, dict) or _CHECKSUM_KEY not in body:
+        return  # written before manifests carried a checksum (still format version 1)
+    stated = body[_CHECKSUM_KEY]
+    actual = format_crc(crc32c(_canonical(body)))
+    if stated != actual:
+        raise CorruptCheckpointError(
+            f"{where}: manifest checksum mismatch (stated {stated!r}, content {actual}): the manifest was edited "
+            "or is corrupt; restore it or load another step"
+        )
 
 
 @dataclass(frozen=True)
@@ -211,59 +302,72 @@ class Manifest:
             "metadata": self.metadata,
             "metrics": self.metrics,
         }
+        for what in ("metadata", "metrics"):
+            _check_user_json(body[what], what)
+        body[_CHECKSUM_KEY] = format_crc(crc32c(_canonical(body)))
         return json.dumps(body, indent=1, ensure_ascii=False).encode("utf-8")
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
-        """Parse and validate; raises :class:`CorruptCheckpointError` naming ``where``."""
+        """Parse and validate (checksum included, when the manifest has one); raises
+        :class:`CorruptCheckpointError` naming ``where``."""
+        body = parse_json(data, where, "manifest", allow_constants=True)
         try:
-            body = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})") from e
-        try:
+            _check_checksum(body, where)
             return cls._from_body(body, where)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            if isinstance(e, CorruptCheckpointError):
-                raise
+        except CkptdError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, UnicodeError) as e:
             raise CorruptCheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from e
 
     @classmethod
     def _from_body(cls, body: Any, where: str) -> Manifest:
         if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(f"{where}: not a ckptd manifest")
-        version = int(body["format_version"])
+        version = _int(body["format_version"], "format_version")
         if version > FORMAT_VERSION:
             raise CorruptCheckpointError(
                 f"{where}: format version {version} is newer than this ckptd supports ({FORMAT_VERSION}); upgrade ckptd"
             )
-        files = {
-            check_file_name(name, where): FileRecord(int(f["size"]), str(f["crc32c"]), _reference(f, where))
-            for name, f in body["files"].items()
-        }
+        files: dict[str, FileRecord] = {}
+        for name, f in _object(body["files"], "files").items():
+            f = _object(f, f"files[{name!r}]")
+            size = _int(f["size"], f"size of {name!r}")
+            if size < 0:
+                raise ValueError(f"size of {name!r} is negative")
+            files[check_file_name(name, where)] = FileRecord(size, _str(f["crc32c"], "crc32c"), _reference(f, where))
         components: dict[str, ComponentRecord] = {}
-        for name, c in body["components"].items():
+        for name, c in _object(body["components"], "components").items():
+            c = _object(c, f"component {name!r}")
             tensors: dict[str, TensorRecord] = {}
-            for key, t in c["tensors"].items():
+            for key, t in _object(c["tensors"], f"tensors of {name!r}").items():
                 record = TensorRecord.from_json(t)
                 _check_tensor(record, f"{where}: tensor {name}.{key}", files)
                 tensors[key] = record
-            tied = [[str(k) for k in group] for group in c.get("tied") or []]
-            sharing = str(c.get("sharing", "replicated"))
-            components[name] = ComponentRecord(str(c["kind"]), tensors, c.get("index"), tied, sharing)
+            tied = [
+                [_str(k, "tied key") for k in _list(group, "tied group")]
+                for group in _list(c.get("tied") or [], "tied")
+            ]
+            sharing = _str(c.get("sharing", "replicated"), "sharing")
+            index = c.get("index")
+            if index is not None:
+                index = check_file_name(_str(index, f"index of component {name!r}"), where)
+            components[name] = ComponentRecord(_str(c["kind"], "kind"), tensors, index, tied, sharing)
         state_file = body.get("state_file")
-        if state_file is not None and state_file not in files:
+        if state_file is not None and (not isinstance(state_file, str) or state_file not in files):
             raise CorruptCheckpointError(f"{where}: state file {state_file!r} is not listed in files")
+        step = body.get("step")
         return cls(
-            step=body.get("step"),
-            created_utc=str(body["created_utc"]),
-            world_size=int(body.get("world_size", 1)),
-            library_version=str(body.get("library_version", "")),
+            step=None if step is None else _int(step, "step"),
+            created_utc=_str(body["created_utc"], "created_utc"),
+            world_size=_int(body.get("world_size", 1), "world_size"),
+            library_version=_str(body.get("library_version", ""), "library_version"),
             components=components,
             files=files,
             state_file=state_file,
-            timings=dict(body.get("timings") or {}),
-            metadata=dict(body.get("metadata") or {}),
-            metrics=dict(body.get("metrics") or {}),
+            timings=_timings(body.get("timings") or {}),
+            metadata=dict(_object(body.get("metadata") or {}, "metadata")),
+            metrics=dict(_object(body.get("metrics") or {}, "metrics")),
             format_version=version,
         )
 
@@ -318,16 +422,21 @@ def parse_hf_index(index: Any, where: str) -> tuple[dict[str, str], dict[str, st
     """Weight map and tied aliases (``metadata.param_sharing``) of an HF index, given as its JSON
     bytes or as the loaded object; every file name is checked to stay inside the directory."""
     if isinstance(index, bytes | bytearray):
-        try:
-            index = json.loads(index)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{where}: index is not valid JSON ({e})") from e
+        index = parse_json(bytes(index), where, "index", allow_constants=True)
     try:
-        weight_map = {str(k): check_file_name(str(v), where) for k, v in index["weight_map"].items()}
-        metadata = index.get("metadata") or {}
-        groups = metadata.get("param_sharing") or []
-    except (KeyError, TypeError, AttributeError) as e:
-        raise CorruptCheckpointError(f"{where}: malformed index ({e})") from e
+        weight_map = {
+            _str(k, "weight_map key"): check_file_name(_str(v, "weight_map file"), where)
+            for k, v in _object(_object(index, "index")["weight_map"], "weight_map").items()
+        }
+        metadata = _object(index.get("metadata") or {}, "metadata")
+        groups = [
+            [_str(k, "param_sharing key") for k in _list(g, "param_sharing group")]
+            for g in _list(metadata.get("param_sharing") or [], "param_sharing")
+        ]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, CkptdError):
+            raise
+        raise CorruptCheckpointError(f"{where}: malformed index ({type(e).__name__}: {e})") from e
     aliases: dict[str, str] = {}
     for group in groups:
         stored = [k for k in group if k in weight_map]
@@ -343,11 +452,8 @@ def state_file_bytes(trees: Mapping[str, Any]) -> bytes:
 
 def parse_state_file(data: bytes, where: str) -> dict[str, Any]:
     """Component trees from a ``state.json`` body."""
-    try:
-        body = json.loads(data.decode("utf-8"))
-        components = body["components"]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(f"{where}: malformed state file ({e})") from e
+    body = parse_json(data, where, "state file")
+    components = body.get("components") if isinstance(body, dict) else None
     if not isinstance(components, dict):
-        raise CorruptCheckpointError(f"{where}: malformed state file (components is not an object)")
+        raise CorruptCheckpointError(f"{where}: malformed state file (no 'components' object)")
     return components

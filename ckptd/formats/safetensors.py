@@ -18,6 +18,7 @@ from json.encoder import encode_basestring as _json_string  # type: ignore[attr-
 from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedValueError
+from .json_files import parse_json
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -126,10 +127,7 @@ def parse_header(prefix: bytes, body: bytes, file_size: int | None, name: str) -
     """
     (length,) = struct.unpack("<Q", prefix)
     data_start = 8 + length
-    try:
-        raw = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{name}: safetensors header is not valid JSON ({e})") from e
+    raw = parse_json(body, name, "safetensors header")
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{name}: safetensors header is not a JSON object")
     metadata_raw = raw.pop("__metadata__", None) or {}
@@ -159,9 +157,17 @@ def _parse_entry(key: str, info: Any, name: str) -> TensorEntry:
     offsets = info.get("data_offsets")
     if dtype not in DTYPE_ITEMSIZE:
         raise CorruptCheckpointError(f"unknown dtype {dtype!r}{where}")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+    if not (
+        isinstance(shape, list)
+        and len(shape) <= 64
+        and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 2**62 for d in shape)
+    ):
         raise CorruptCheckpointError(f"malformed shape {shape!r}{where}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+    ):
         raise CorruptCheckpointError(f"malformed data_offsets {offsets!r}{where}")
     start, end = offsets
     expected = math.prod(shape) * DTYPE_ITEMSIZE[dtype]

@@ -12,7 +12,6 @@ stay inside the checkpoint directory.  Sizes are checked on every load; CRC32C w
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -29,6 +28,7 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..formats.checksum import crc32c, format_crc
+from ..formats.json_files import check_regular_file, parse_json, read_listed_file, read_small_file
 from ..formats.manifest import Manifest, TensorRecord, is_foreign_manifest, parse_hf_index, parse_state_file
 from ..formats.names import MANIFEST_NAME, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_BIN_INDEX, TORCH_BIN_SINGLE
 from ..formats.safetensors import SafetensorsHeader, read_header
@@ -122,7 +122,7 @@ class CheckpointReader:
         if not names and not storage.exists(directory):
             raise CheckpointNotFoundError(f"{directory}: no such checkpoint directory")
         if MANIFEST_NAME in names:
-            data = storage.read_bytes(storage.join(directory, MANIFEST_NAME))
+            data = read_small_file(storage, storage.join(directory, MANIFEST_NAME), follow_symlinks=False)
             if not is_foreign_manifest(data):
                 return cls._ckptd(directory, storage, cache, data)
             logger.debug("%s: %s was written by another tool; reading the weights it holds", directory, MANIFEST_NAME)
@@ -153,7 +153,9 @@ class CheckpointReader:
         cls, directory: str, storage: Storage, cache: FileCache | None = None, data: bytes | None = None
     ) -> CheckpointReader:
         where = storage.join(directory, MANIFEST_NAME)
-        manifest = Manifest.from_json(storage.read_bytes(where) if data is None else data, where)
+        if data is None:
+            data = read_small_file(storage, where, follow_symlinks=False)
+        manifest = Manifest.from_json(data, where)
         listings: dict[str, dict[str, int]] = {}
         for name, record in manifest.files.items():
             holder = _holder(storage, directory, record.checkpoint)
@@ -171,7 +173,9 @@ class CheckpointReader:
         for name, component in manifest.components.items():
             aliases = {alias: group[0] for group in component.tied for alias in group[1:]}
             if component.kind == "torch_bin" and component.index:
-                index = _read_index(storage, _safe_path(storage, directory, component.index, where))
+                index_path = _safe_path(storage, directory, component.index, where)
+                data = read_listed_file(storage, index_path, manifest.files.get(component.index))
+                index = parse_hf_index(data, index_path)
                 sources[name] = _Source("torch_bin", index[0], None, aliases)
             elif component.tensors:
                 weight_map = {key: record.file for key, record in component.tensors.items()}
@@ -218,7 +222,15 @@ class CheckpointReader:
             header = reader._header(name)
             reader.kind = "safetensors"
             aliases = {}
-            for group in json.loads(header.metadata.get("param_sharing", "[]") or "[]"):
+            where = reader._path(name)
+            groups = parse_json(
+                (header.metadata.get("param_sharing") or "[]").encode(), where, "param_sharing metadata"
+            )
+            if not isinstance(groups, list) or not all(
+                isinstance(g, list) and g and all(isinstance(k, str) for k in g) for g in groups
+            ):
+                raise CorruptCheckpointError(f"{where}: param_sharing metadata is not a list of key lists")
+            for group in groups:
                 aliases.update({k: group[0] for k in group[1:] if k not in header.entries})
             reader._sources["model"] = _Source("safetensors", dict.fromkeys(header.entries, name), None, aliases)
         return reader
@@ -256,7 +268,8 @@ class CheckpointReader:
         if verify:
             self.verify([self.manifest.state_file])
         where = _safe_path(self.storage, self.directory, self.manifest.state_file, MANIFEST_NAME)
-        return parse_state_file(self.storage.read_bytes(where), where)
+        record = self.manifest.files.get(self.manifest.state_file)
+        return parse_state_file(read_listed_file(self.storage, where, record), where)
 
     def _source(self, component: str) -> _Source:
         try:
@@ -279,6 +292,8 @@ class CheckpointReader:
         if self.cache is not None:
             record = self.manifest.files.get(file_name) if self.manifest is not None else None
             return self.cache.open(self.storage, path, file_name, record)
+        if self.storage.local:
+            check_regular_file(path)
         return self.storage.open_reader(path)
 
     def _header(self, file_name: str) -> SafetensorsHeader:
@@ -415,6 +430,7 @@ class CheckpointReader:
     def _load_bin(self, file_name: str) -> dict[str, torch.Tensor]:
         path = self._path(file_name)
         if self.storage.local:
+            check_regular_file(path)
             return load_bin(path)
         return load_bin_bytes(self.storage.read_bytes(path), path)
 
@@ -427,7 +443,8 @@ class CheckpointReader:
 
 
 def _read_index(storage: Storage, where: str) -> tuple[dict[str, str], dict[str, str]]:
-    return parse_hf_index(storage.read_bytes(where), where)
+    """An HF index (a symlink is followed: the HF hub cache links snapshots to blobs)."""
+    return parse_hf_index(read_small_file(storage, where), where)
 
 
 def _is_single_file(storage: Storage, path: str) -> bool:

@@ -19,6 +19,7 @@ import base64
 import math
 import pickle
 import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,10 +27,11 @@ from typing import Any
 import torch
 
 from ..dist.sharding import ShardedTensor, describe_dtensor, is_dtensor, is_main_replica
-from ..errors import ConfigError, UnsafeCheckpointError, UnsupportedValueError
+from ..errors import CkptdError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
 
 __all__ = [
     "COMPONENT_NAME_RE",
+    "MAX_TREE_DEPTH",
     "FlatComponent",
     "Placement",
     "component_state",
@@ -41,6 +43,9 @@ __all__ = [
 ]
 
 TAG = "__ckptd__"
+MAX_TREE_DEPTH = 100
+"""Deepest nesting of containers a component's state may have (its JSON tree then stays within
+the depth every reader accepts, :data:`ckptd.formats.json_files.MAX_JSON_DEPTH`)."""
 COMPONENT_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 
@@ -92,7 +97,12 @@ def flatten_component(name: str, value: Any, *, allow_pickle: bool = False) -> F
         )
     state = component_state(value)
     encoder = _Encoder(name, allow_pickle)
-    tree = encoder.encode(state, (), top=True)
+    try:
+        tree = encoder.encode(state, (), top=True)
+    except RecursionError as e:  # e.g. a state_dict() that returns an object with a state_dict()
+        raise UnsupportedValueError(
+            f"the state of component {name!r} recurses without end (or too deeply) and cannot be stored"
+        ) from e
     tied = find_tied_groups(encoder.tensors)
     tensors = dict(encoder.tensors)
     for group in tied:
@@ -127,7 +137,10 @@ def tensor_leaves(name: str, value: Any) -> dict[str, Any]:
     and :class:`~ckptd.ShardedTensor` leaves as they are): the in-place targets of a load.
     Values that could not be saved are skipped, not refused."""
     encoder = _Encoder(name, allow_pickle=False, lenient=True)
-    encoder.encode(component_state(value), (), top=True)
+    try:
+        encoder.encode(component_state(value), (), top=True)
+    except RecursionError as e:
+        raise UnsupportedValueError(f"the state of component {name!r} recurses without end (or too deeply)") from e
     return encoder.leaves
 
 
@@ -154,6 +167,13 @@ class _Encoder:
         return key
 
     def encode(self, value: Any, path: tuple[str, ...], top: bool = False) -> Any:
+        if len(path) > MAX_TREE_DEPTH:
+            if self.lenient:
+                return None
+            raise UnsupportedValueError(
+                f"the state of component {self.component!r} is nested more than {MAX_TREE_DEPTH} levels deep "
+                f"(at {'.'.join(path[:6])}...); flatten it (or store it as bytes) before saving"
+            )
         if isinstance(value, ShardedTensor):
             if value.data is None:
                 raise UnsupportedValueError(f"sharded tensor {value.key!r} at {self._where(path)!r} has no data")
@@ -252,28 +272,51 @@ class _Encoder:
         return None
 
 
-def tree_tensor_keys(tree: Any) -> list[str]:
-    """The tensor keys an encoded tree refers to, in order."""
+def tree_tensor_keys(tree: Any, where: str = "") -> list[str]:
+    """The tensor keys an encoded tree refers to, in order; raises
+    :class:`CorruptCheckpointError` when a tensor reference is malformed."""
     keys: list[str] = []
-
-    def walk(node: Any) -> None:
+    stack = [tree]  # iterative: a hostile tree may be deep
+    while stack:
+        node = stack.pop()
         if isinstance(node, dict):
             if node.get(TAG) in ("tensor", "ndarray"):
-                keys.append(node["key"])
-                return
-            for v in node.values():
-                walk(v)
+                key = node.get("key")
+                if not isinstance(key, str):
+                    raise CorruptCheckpointError(
+                        f"{where or 'the checkpoint state'}: tensor reference {_preview(node)} has no string 'key'"
+                    )
+                keys.append(key)
+                continue
+            stack.extend(reversed(list(node.values())))
         elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(tree)
+            stack.extend(reversed(node))
     return keys
 
 
-def restore_tree(tree: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool = False, where: str = "") -> Any:
-    """Rebuild the original structure of an encoded tree, taking tensors from ``tensors``."""
+def _preview(node: Any) -> str:
+    return reprlib.repr(node)  # bounded in length and depth: the node may be hostile
 
+
+def restore_tree(tree: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool = False, where: str = "") -> Any:
+    """Rebuild the original structure of an encoded tree, taking tensors from ``tensors``.
+
+    A malformed tree (a tag with the wrong fields, a reference to a tensor not given, nesting
+    deeper than Python can rebuild) raises :class:`CorruptCheckpointError` naming ``where``.
+    """
+    try:
+        return _decode_tree(tree, tensors, allow_pickle, where)
+    except CkptdError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RuntimeError) as e:
+        # RuntimeError covers RecursionError (deep trees) and torch.device/torch.Size refusals.
+        raise CorruptCheckpointError(
+            f"{where or 'the checkpoint state'}: malformed state tree ({type(e).__name__}: {e}); "
+            "the state file is corrupt"
+        ) from e
+
+
+def _decode_tree(tree: Any, tensors: Mapping[str, torch.Tensor], allow_pickle: bool, where: str) -> Any:
     def decode(node: Any) -> Any:
         if isinstance(node, list):
             return [decode(v) for v in node]
@@ -297,11 +340,14 @@ def restore_tree(tree: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle
         if tag == "frozenset":
             return frozenset(_hashable(decode(v)) for v in node["items"])
         if tag == "dtype":
-            return getattr(torch, node["value"])
+            dtype = getattr(torch, node["value"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"{node['value']!r} is not a torch dtype")
+            return dtype
         if tag == "device":
             return torch.device(node["value"])
         if tag == "bytes":
-            return base64.b64decode(node["b64"])
+            return base64.b64decode(node["b64"], validate=True)
         if tag == "ndarray":
             return tensors[node["key"]].cpu().numpy()
         if tag == "npscalar":
@@ -315,7 +361,9 @@ def restore_tree(tree: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle
                     "only if you trust the checkpoint"
                 )
             return pickle.loads(base64.b64decode(node["b64"]))
-        raise UnsupportedValueError(f"unknown tag {tag!r} in {where or 'the checkpoint state'}")
+        raise CorruptCheckpointError(
+            f"unknown tag {tag!r} in {where or 'the checkpoint state'} (written by a newer ckptd, or corrupt)"
+        )
 
     return decode(tree)
 

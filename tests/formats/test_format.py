@@ -131,6 +131,7 @@ def test_manifest_golden_shape(checkpointer):
         "timings",
         "metadata",
         "metrics",
+        "checksum",
     }
     assert body["components"]["model"] == {
         "kind": "safetensors",
