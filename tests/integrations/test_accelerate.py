@@ -5,9 +5,6 @@ weights as an uninterrupted run."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +13,7 @@ pytest.importorskip("accelerate")
 
 from accelerate import Accelerator
 from conftest import assert_same
+from killed_runs import run_script
 
 import ckptd
 from ckptd.integrations.accelerate import MODELS_DIR, register_ckptd_hooks
@@ -70,24 +68,7 @@ def test_save_state_and_load_state_go_through_ckptd(tmp_path):
 
 
 def run_worker(root: str, result: str, *extra: str, kill_after: int | None = None) -> list[int]:
-    package_root = os.path.dirname(os.path.dirname(ckptd.__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [package_root, os.environ.get("PYTHONPATH")] if p))
-    args = [sys.executable, WORKER, root, result, *extra]
-    if kill_after is None:
-        subprocess.run(args, check=True, env=env, timeout=300, stdout=subprocess.DEVNULL)
-        return []
-    process = subprocess.Popen([*args, "--slow"], env=env, stdout=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    steps: list[int] = []
-    while not steps or steps[-1] < kill_after:
-        line = process.stdout.readline()
-        assert line, "the run ended before it could be killed"
-        if line.strip().isdigit():
-            steps.append(int(line))
-    process.send_signal(signal.SIGKILL)
-    process.wait(60)
-    assert process.returncode == -signal.SIGKILL
-    return steps
+    return run_script(WORKER, root, result, *extra, kill_after=kill_after)
 
 
 @pytest.mark.slow

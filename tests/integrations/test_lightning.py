@@ -4,9 +4,6 @@ entries without pickle, scoped pickle opt-in, and a SIGKILLed run resumed to the
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +11,7 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")
 
 from conftest import assert_same  # noqa: E402
+from killed_runs import run_script  # noqa: E402
 from lightning_worker import MAX_STEPS, Regressor, make_trainer, train_loader  # noqa: E402
 
 import ckptd  # noqa: E402
@@ -106,24 +104,7 @@ def test_trainer_save_checkpoint_and_scoped_pickle(tmp_path):
 
 
 def run_worker(dirpath: str, out: str, *extra: str, kill_after: int | None = None) -> list[int]:
-    package_root = os.path.dirname(os.path.dirname(ckptd.__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [package_root, os.environ.get("PYTHONPATH")] if p))
-    args = [sys.executable, WORKER, dirpath, out, *extra]
-    if kill_after is None:
-        subprocess.run(args, check=True, env=env, timeout=300, stdout=subprocess.DEVNULL)
-        return []
-    process = subprocess.Popen([*args, "--slow"], env=env, stdout=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    steps = []
-    while not steps or steps[-1] < kill_after:
-        line = process.stdout.readline()
-        assert line, "the run ended before it could be killed"
-        if line.strip().isdigit():
-            steps.append(int(line))
-    process.send_signal(signal.SIGKILL)
-    process.wait(60)
-    assert process.returncode == -signal.SIGKILL
-    return steps
+    return run_script(WORKER, dirpath, out, *extra, kill_after=kill_after)
 
 
 @pytest.mark.slow

@@ -4,9 +4,6 @@ it pins packages the main test environment does not want, so it lives in a separ
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +11,7 @@ import torch
 pytest.importorskip("torchtitan")
 
 from conftest import assert_same
+from killed_runs import run_script
 from titan_worker import MAX_STEPS, build
 
 import ckptd
@@ -71,24 +69,7 @@ def test_interval_retention_last_step_export_and_load(tmp_path):
 
 
 def run_worker(root: str, result: str, mode: str, kill_after: int | None = None) -> list[int]:
-    package_root = os.path.dirname(os.path.dirname(ckptd.__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [package_root, os.environ.get("PYTHONPATH")] if p))
-    args = [sys.executable, WORKER, root, result, mode]
-    if kill_after is None:
-        subprocess.run(args, check=True, env=env, timeout=300, stdout=subprocess.DEVNULL)
-        return []
-    process = subprocess.Popen([*args, "--slow"], env=env, stdout=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    steps: list[int] = []
-    while not steps or steps[-1] < kill_after:
-        line = process.stdout.readline()
-        assert line, "the run ended before it could be killed"
-        if line.strip().isdigit():
-            steps.append(int(line))
-    process.send_signal(signal.SIGKILL)
-    process.wait(60)
-    assert process.returncode == -signal.SIGKILL
-    return steps
+    return run_script(WORKER, root, result, mode, kill_after=kill_after)
 
 
 @pytest.mark.slow

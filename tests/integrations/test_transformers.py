@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +15,7 @@ pytest.importorskip("accelerate")
 
 from conftest import assert_same
 from hf_worker import MAX_STEPS, make_trainer
+from killed_runs import run_script
 from transformers import GPT2LMHeadModel
 
 import ckptd
@@ -73,24 +71,7 @@ def test_total_limit_best_model_and_from_pretrained(tmp_path):
 
 
 def run_worker(output_dir: str, result: str, *extra: str, kill_after: int | None = None) -> list[int]:
-    package_root = os.path.dirname(os.path.dirname(ckptd.__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [package_root, os.environ.get("PYTHONPATH")] if p))
-    args = [sys.executable, WORKER, output_dir, result, *extra]
-    if kill_after is None:
-        subprocess.run(args, check=True, env=env, timeout=300, stdout=subprocess.DEVNULL)
-        return []
-    process = subprocess.Popen([*args, "--slow"], env=env, stdout=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    steps: list[int] = []
-    while not steps or steps[-1] < kill_after:
-        line = process.stdout.readline()
-        assert line, "the run ended before it could be killed"
-        if line.strip().isdigit():
-            steps.append(int(line))
-    process.send_signal(signal.SIGKILL)
-    process.wait(60)
-    assert process.returncode == -signal.SIGKILL
-    return steps
+    return run_script(WORKER, output_dir, result, *extra, kill_after=kill_after)
 
 
 @pytest.mark.slow
