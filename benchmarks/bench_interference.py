@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for step_ms in args.step_ms:
             loop = TrainLoop(step_ms / 1e3)
-            shape = f"step {loop.matmuls} matmul(s)"
+            shape = f"step ~{step_ms:.0f} ms ({loop.matmuls} matmul(s) here)"
             print(f"step: {loop.matmuls} x tanh(x @ w), 1024x1024 fp32, torch threads {torch.get_num_threads()}")
             common = (loop, state, bench_dir, args.repeats, args.baseline_steps)
             results.append(

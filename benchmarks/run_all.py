@@ -523,6 +523,7 @@ def scaling_targets(data: Results) -> list[Target]:
         for attr, label in (
             ("warm_blocking", "warm blocking"),
             ("warm_total", "warm total"),
+            ("warm_plan", "warm plan (CPU only, least noisy)"),
             ("first_total", "first save total"),
         ):
             value = (high[attr] - low[attr]) / (high["tensors"] - low["tensors"])
