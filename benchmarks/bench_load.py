@@ -1,22 +1,24 @@
 #!/usr/bin/env python
-"""Benchmark ckptd's local loads against ``safetensors.safe_open`` + ``copy_`` of the same files.
+"""Benchmark ckptd's local loads against the read floor and ``safetensors.safe_open`` + ``copy_``.
 
 The script saves the transformer-shaped state of ``bench_save.py`` (about ``--gib`` GiB) once
 with ``Checkpointer(root).save(...)`` (default settings) and allocates target tensors of the same
 dtypes and shapes (``torch.empty_like``, pages faulted in once). Then, on that one checkpoint:
 
 * **full load into preallocated tensors**: ``ckpt.load(step, into={"model": {...},
-  "optimizer": {...}})`` against the baseline, which opens every ``*.safetensors`` file of the
-  checkpoint with ``safetensors.safe_open(path, "pt")`` and does
-  ``targets[component][key].copy_(f.get_tensor(key))`` for every key (the component of a file
-  comes from the checkpoint's ``<component>.safetensors.index.json``);
+  "optimizer": {...}})`` against the **read floor** of ``floors.py`` (one thread, ``os.preadv``
+  of each file's data section straight into the targets) and the user-facing baseline, which
+  opens every ``*.safetensors`` file of the checkpoint with ``safetensors.safe_open(path, "pt")``
+  and does ``targets[component][key].copy_(f.get_tensor(key))`` for every key (the component of
+  a file comes from the checkpoint's ``<component>.safetensors.index.json``);
 
   - *warm*: page cache hot (one untimed pass of each loader first);
   - *cold*: before each timed load, every file of the checkpoint is dropped from the page cache
     with ``os.posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)``; ``read_bytes`` of
     ``/proc/self/io`` shows how much really came from the disk;
 
-  the two loaders alternate which goes first in each repeat;
+  the three loaders rotate which goes first in each repeat; ckptd's ratio to the floor is the
+  median of the per-repeat ratios;
 * **partial load**: ``ckpt.load(step, keys=[...])`` of every 10th tensor (10% of the tensors);
   bytes read are the delta of ``rchar`` in ``/proc/self/io`` around the call, compared with the
   payload bytes of the requested tensors.
@@ -35,6 +37,7 @@ import json
 import os
 import shlex
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -57,27 +60,12 @@ from bench_save import (  # the sibling script, importable once its directory is
     state_bytes,
     timed_phase,
 )
+from floors import READ_THREADS, ReadFloor, drop_from_page_cache, proc_io
 
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
 # ---- helpers -------------------------------------------------------------------------------
-
-
-def proc_io() -> dict[str, int]:
-    """``/proc/self/io`` as ``{field: value}`` (``rchar``, ``read_bytes``, ...)."""
-    with open("/proc/self/io") as f:
-        return {k: int(v) for k, v in (line.split(":") for line in f)}
-
-
-def drop_from_page_cache(paths: list[str]) -> None:
-    """``posix_fadvise(DONTNEED)`` on every file (clean pages leave the page cache)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def checkpoint_files(directory: str) -> list[str]:
@@ -147,10 +135,13 @@ def time_load(load: Callable[[], Any], drop: list[str] | None) -> tuple[float, i
 def bench_full_loads(
     ckpt: Any, step: int, state: State, files: dict[str, list[str]], all_files: list[str], repeats: int
 ) -> dict[str, Any]:
-    """Warm and cold full loads of ckptd and the safetensors baseline, alternating order."""
+    """Warm and cold full loads of ckptd, the read floor and the safetensors baseline, rotating order."""
     targets = empty_targets(state)
+    floor = ReadFloor(files, targets)
     loaders: dict[str, Callable[[], Any]] = {
         "ckptd": lambda: ckpt.load(step, into=targets),
+        "read floor 1 thread": floor.read,
+        f"read floor {READ_THREADS} threads": lambda: floor.read(READ_THREADS),
         "safetensors": lambda: load_safetensors(files, targets),
     }
     for name, load in loaders.items():  # untimed: checks the result and warms the page cache
@@ -161,7 +152,8 @@ def bench_full_loads(
     disk_reads: dict[str, list[int]] = {name: [] for name in samples}
     for kind in ("warm", "cold"):
         for i in range(repeats):
-            order = list(loaders) if i % 2 == 0 else list(reversed(loaders))
+            names = list(loaders)
+            order = names[i % len(names) :] + names[: i % len(names)]
             for name in order:
                 seconds, read_bytes = time_load(loaders[name], all_files if kind == "cold" else None)
                 samples[f"{name} {kind}"].add(seconds)
@@ -170,7 +162,26 @@ def bench_full_loads(
                     f"  {name} {kind} {i}: {seconds:.3f} s, {read_bytes / GIB:.3f} GiB read from the disk",
                     flush=True,
                 )
-    return {"samples": {k: asdict(v) for k, v in samples.items()}, "disk_read_bytes": disk_reads}
+    for kind in ("warm", "cold"):  # the floor of a repeat is the faster of its two read-floor methods
+        samples[f"read floor {kind}"] = Samples(
+            f"read floor {kind}",
+            [
+                min(a, b)
+                for a, b in zip(
+                    samples[f"read floor 1 thread {kind}"].values,
+                    samples[f"read floor {READ_THREADS} threads {kind}"].values,
+                    strict=True,
+                )
+            ],
+        )
+        ours, base = samples[f"ckptd {kind}"].values, samples[f"read floor {kind}"].values
+        ratios = [a / b for a, b in zip(ours, base, strict=True)]
+        print(f"  ckptd / read floor, {kind}, per repeat: {' '.join(f'{r:.2f}' for r in ratios)}", flush=True)
+    return {
+        "samples": {k: asdict(v) for k, v in samples.items()},
+        "disk_read_bytes": disk_reads,
+        "floor_bytes": floor.nbytes,
+    }
 
 
 def bench_partial_loads(ckpt: Any, step: int, state: State, repeats: int) -> dict[str, Any]:
@@ -245,18 +256,25 @@ def main(argv: list[str] | None = None) -> int:
             full = timed_phase("full loads", lambda: bench_full_loads(ckpt, 0, state, files, all_files, args.repeats))
             partial = timed_phase("keys= loads", lambda: bench_partial_loads(ckpt, 0, state, args.repeats))
         print(f"\n== results: {total / GIB:.3f} GiB state, {args.repeats} loads per loader and kind")
-        print("| what | median s | min s | max s | GiB read from disk (median) | ratio |")
+        print("ratio = median over repeats of (this loader / the read floor of the same repeat)")
+        print("| what | median s | min s | max s | GiB read from disk (median) | ratio to read floor |")
         print("|---|---|---|---|---|---|")
         for kind in ("warm", "cold"):
-            for name in ("ckptd", "safetensors"):
+            for name in (
+                "ckptd",
+                "read floor",
+                "read floor 1 thread",
+                f"read floor {READ_THREADS} threads",
+                "safetensors",
+            ):
                 key = f"{name} {kind}"
                 s = Samples(key, full["samples"][key]["values"])
-                base = Samples("", full["samples"][f"safetensors {kind}"]["values"])
-                reads = sorted(full["disk_read_bytes"][key])[len(full["disk_read_bytes"][key]) // 2]
-                print(
-                    f"| {key} | {s.median:.3f} | {s.low:.3f} | {s.high:.3f} | {reads / GIB:.3f} | "
-                    f"{s.median / base.median:.2f}x |"
-                )
+                base = full["samples"][f"read floor {kind}"]["values"]
+                ratio = statistics.median(a / b for a, b in zip(s.values, base, strict=True))
+                disk = full["disk_read_bytes"].get(key)
+                reads = "-" if not disk else f"{sorted(disk)[len(disk) // 2] / GIB:.3f}"
+                label = key if name != "safetensors" else f"user-facing baseline: safe_open + copy_, {kind}"
+                print(f"| {label} | {s.median:.3f} | {s.low:.3f} | {s.high:.3f} | {reads} | {ratio:.2f}x |")
         rchar = sorted(partial["rchar"])[len(partial["rchar"]) // 2]
         print(
             f"| keys= load of {partial['tensors']}/{partial['of']} tensors: {rchar / MIB:.1f} MiB read for "

@@ -13,10 +13,17 @@ of about ``--gib`` GiB and measures, in one run and for the same bytes:
   beforehand (one call, all files at once);
 * s3fs ``fs.put(local_files, remote_paths)`` of those shards written to local files beforehand;
 * boto3 ``upload_fileobj`` from ``io.BytesIO`` with 64 MiB parts and ``max_concurrency=4``, the
-  files one after another (the reference) and, as a second row, 4 files at once in threads;
+  files one after another and 4 files at once in threads; and boto3's best configuration here,
+  every file at once with 16 MiB parts and ``max_concurrency=8`` per file (the upload target's
+  reference is the faster of the two "files at once" rows);
 * DCP ``dcp.save(..., storage_writer=FsspecWriter("s3://..."), no_dist=True)``, synchronous;
-* loads: ckptd ``ckpt.load(step)`` against DCP ``dcp.load`` with ``FsspecReader`` into
-  preallocated tensors (DCP's S3 load is very slow, so it runs once unless it is quick).
+* loads: ckptd ``ckpt.load(step)`` against boto3 parallel ranged GETs of the same files (16 MiB
+  ranges, 16 threads, into preallocated buffers) and DCP ``dcp.load`` with ``FsspecReader`` into
+  preallocated tensors (DCP's S3 load is very slow, so it runs once unless it is quick);
+* request and byte counts: the server's WSGI application is wrapped in a counter (method, object
+  key, request body bytes, response body bytes of every request), so ckptd's requests per file
+  (limit: ``ceil(size / part_size) + 2``) and the bytes a load fetches (limit: 1.05x the tensor
+  bytes it needs) are checked exactly; not with ``--server-subprocess``.
 
 Every object is deleted after each repeat so the in-memory server does not grow.
 
@@ -31,12 +38,14 @@ import argparse
 import contextlib
 import io
 import logging
+import math
 import multiprocessing
 import os
 import shlex
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -111,9 +120,77 @@ class Measured:
     warm: Samples = field(default_factory=lambda: Samples("warm"))
     extra: dict[str, Samples] = field(default_factory=dict)
     note: str = ""
+    counts: list[dict[str, Any]] = field(default_factory=list)  # per save: requests per file (ckptd)
 
 
 # ---- server, bucket and clients ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One request the server answered: method, object path, query, body bytes in and out."""
+
+    method: str
+    path: str
+    query: str
+    received: int
+    sent: int
+
+
+class RequestLog:
+    """Every request the loopback server answered (thread-safe append, read by index)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.exchanges: list[Exchange] = []
+
+    def add(self, exchange: Exchange) -> None:
+        with self._lock:
+            self.exchanges.append(exchange)
+
+    def mark(self) -> int:
+        with self._lock:
+            return len(self.exchanges)
+
+    def since(self, mark: int) -> list[Exchange]:
+        with self._lock:
+            return list(self.exchanges[mark:])
+
+
+def counting_app(app: Any, log: RequestLog) -> Any:
+    """A WSGI application that forwards to ``app`` and records each request in ``log``."""
+
+    def wrapped(environ: dict[str, Any], start_response: Any) -> Iterator[bytes]:
+        received = environ.get("HTTP_X_AMZ_DECODED_CONTENT_LENGTH") or environ.get("CONTENT_LENGTH") or 0
+        method, path, query = environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ.get("QUERY_STRING", "")
+        body = app(environ, start_response)
+        sent = 0
+        try:
+            for chunk in body:
+                sent += len(chunk)
+                yield chunk
+        finally:
+            close = getattr(body, "close", None)
+            if close is not None:
+                close()
+            log.add(Exchange(method, path, query, int(received), sent))
+
+    return wrapped
+
+
+def counting_moto_server(log: RequestLog) -> Any:
+    """moto's ``ThreadedMotoServer`` whose application records every request in ``log``."""
+    from moto.server import DomainDispatcherApplication, MotoRequestHandler, ThreadedMotoServer, create_backend_app
+    from werkzeug.serving import make_server
+
+    class CountingMotoServer(ThreadedMotoServer):
+        def _server_entry(self) -> None:
+            app = counting_app(DomainDispatcherApplication(create_backend_app), log)
+            self._server = make_server(self._ip_address, self._port, app, True, request_handler=MotoRequestHandler)
+            self._server_ready_event.set()
+            self._server.serve_forever()
+
+    return CountingMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
 
 
 def s3_environment() -> None:
@@ -137,12 +214,10 @@ def serve_in_child(port_pipe: Any, stop: Any) -> None:
 
 
 @contextlib.contextmanager
-def moto_server(in_subprocess: bool) -> Iterator[str]:
-    """A loopback moto S3 server; yields its endpoint URL."""
+def moto_server(in_subprocess: bool, log: RequestLog | None = None) -> Iterator[str]:
+    """A loopback moto S3 server; yields its endpoint URL.  In this process, ``log`` records requests."""
     if not in_subprocess:
-        from moto.server import ThreadedMotoServer
-
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server = counting_moto_server(log or RequestLog())
         server.start()
         try:
             yield f"http://127.0.0.1:{server.get_host_and_port()[1]}"
@@ -263,7 +338,39 @@ def measure_rounds(
 # ---- ckptd ---------------------------------------------------------------------------------
 
 
-def bench_ckptd_saves(ckpt: Any, state: State, fs: Any, repeats: int, setup: float) -> tuple[Measured, int]:
+def object_key(path: str) -> str:
+    """``bucket/key`` of a request path (``/bucket/key``) or of an fsspec path."""
+    return path.lstrip("/").removeprefix("s3://")
+
+
+def count_save_requests(exchanges: list[Exchange], fs: Any, directory: str, part_size: int) -> dict[str, Any]:
+    """Requests per file of a committed checkpoint against ``ceil(size / part_size) + 2``."""
+    sizes = {object_key(info["name"]): int(info["size"]) for info in fs.ls(directory, detail=True, refresh=True)}
+    per_file: dict[str, dict[str, Any]] = {}
+    for key, size in sorted(sizes.items()):
+        requests = [e for e in exchanges if object_key(e.path) == key]
+        limit = max(1, math.ceil(size / part_size)) + 2
+        per_file[key.rsplit("/", 1)[-1]] = {
+            "bytes": size,
+            "requests": len(requests),
+            "methods": sorted({f"{e.method}{'?' + e.query.split('=')[0] if e.query else ''}" for e in requests}),
+            "limit": limit,
+            "passed": len(requests) <= limit,
+        }
+    others = [e for e in exchanges if object_key(e.path) not in sizes]
+    return {
+        "part_size": part_size,
+        "files": per_file,
+        "other_requests": len(others),
+        "other_paths": sorted({f"{e.method} {e.path}" for e in others})[:20],
+        "uploaded_bytes": sum(e.received for e in exchanges),
+        "passed": all(f["passed"] for f in per_file.values()),
+    }
+
+
+def bench_ckptd_saves(
+    ckpt: Any, state: State, fs: Any, repeats: int, setup: float, log: RequestLog | None = None
+) -> tuple[Measured, int]:
     """ckptd saves: total (``async_save`` to ``result()``) and the writer's ``write`` time.
 
     The first save's total includes the constructor (``setup`` seconds, writer start). Every
@@ -273,12 +380,23 @@ def bench_ckptd_saves(ckpt: Any, state: State, fs: Any, repeats: int, setup: flo
     measured = Measured("ckptd")
     measured.extra = {"first write": Samples("first write"), "warm write": Samples("warm write")}
     measured.note = f"Checkpointer(max_shard_size={SHARD_SIZE!r}), part size/concurrency/files at once: defaults"
+    counts: list[dict[str, Any]] = []
     for step in range(repeats + 1):
         first = step == 0
+        mark = log.mark() if log is not None else 0
         started = time.perf_counter()
         request = ckpt.async_save(step, state)
         result = request.result()
         total = time.perf_counter() - started + (setup if first else 0.0)
+        if log is not None:
+            counted = count_save_requests(log.since(mark), fs, result.path, int(ckpt.options.part_size))
+            counts.append(counted)
+            print(
+                "  ckptd requests per file (limit ceil(size/part)+2): "
+                + ", ".join(f"{n} {f['requests']}/{f['limit']}" for n, f in counted["files"].items())
+                + f"; other requests {counted['other_requests']}",
+                flush=True,
+            )
         write = request.timings["write"]
         (measured.first if first else measured.warm).add(total)
         measured.extra["first write" if first else "warm write"].add(write)
@@ -292,23 +410,46 @@ def bench_ckptd_saves(ckpt: Any, state: State, fs: Any, repeats: int, setup: flo
         )
         if step < repeats:
             remove_prefix(fs, result.path)
+    measured.counts = counts
     return measured, repeats
 
 
-def bench_ckptd_loads(ckpt: Any, step: int, state: State, repeats: int) -> Samples:
-    """Seconds for ``ckpt.load(step)`` (new CPU tensors); the first result is checked against ``state``."""
+def count_load(exchanges: list[Exchange]) -> dict[str, int]:
+    """Requests and response body bytes of a load."""
+    gets = [e for e in exchanges if e.method == "GET"]
+    return {
+        "requests": len(exchanges),
+        "gets": len(gets),
+        "fetched_bytes": sum(e.sent for e in exchanges),
+    }
+
+
+def bench_ckptd_loads(
+    ckpt: Any, step: int, state: State, repeats: int, log: RequestLog | None = None
+) -> tuple[Samples, list[dict[str, int]]]:
+    """Seconds for ``ckpt.load(step)`` (new CPU tensors) and what each load fetched; the first
+    result is checked against ``state``."""
     samples = Samples("ckptd load")
+    counts: list[dict[str, int]] = []
     for i in range(repeats):
+        mark = log.mark() if log is not None else 0
         started = time.perf_counter()
         loaded = ckpt.load(step)
         seconds = time.perf_counter() - started
         samples.add(seconds)
-        print(f"  ckptd load {i}: {seconds:.3f} s", flush=True)
+        line = f"  ckptd load {i}: {seconds:.3f} s"
+        if log is not None:
+            counts.append(count_load(log.since(mark)))
+            line += (
+                f", {counts[-1]['requests']} requests, {counts[-1]['fetched_bytes'] / MIB:.1f} MiB fetched "
+                f"for {state_bytes(state) / MIB:.1f} MiB of tensors"
+            )
+        print(line, flush=True)
         if i == 0:
             check_equal(state, loaded, "ckptd load")
         del loaded
         free_memory()
-    return samples
+    return samples, counts
 
 
 def flat_leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -375,10 +516,23 @@ def transfer_config() -> Any:
     )
 
 
-def bench_boto3(client: Any, fs: Any, shards: Shards, repeats: int, files_at_once: int) -> Measured:
+BEST_PART_BYTES = 16 * MIB
+BEST_CONCURRENCY = 8
+
+
+def best_transfer_config() -> Any:
+    """boto3's fastest settings found here: 16 MiB parts, 8 threads per file (used with every file at once)."""
+    from boto3.s3.transfer import TransferConfig
+
+    return TransferConfig(
+        multipart_threshold=BEST_PART_BYTES, multipart_chunksize=BEST_PART_BYTES, max_concurrency=BEST_CONCURRENCY
+    )
+
+
+def bench_boto3(client: Any, fs: Any, shards: Shards, repeats: int, files_at_once: int, best: bool = False) -> Measured:
     """``upload_fileobj`` of every shard from ``io.BytesIO``, ``files_at_once`` files concurrently."""
-    config = transfer_config()
-    tag = "seq" if files_at_once == 1 else f"par{files_at_once}"
+    config = best_transfer_config() if best else transfer_config()
+    tag = ("best" if best else "") + ("seq" if files_at_once == 1 else f"par{files_at_once}")
 
     def key(i: int, name: str) -> str:
         return f"boto3-{tag}/{i}/{name}"
@@ -400,8 +554,62 @@ def bench_boto3(client: Any, fs: Any, shards: Shards, repeats: int, files_at_onc
         if files_at_once == 1
         else f"boto3 upload_fileobj, {files_at_once} files at once"
     )
+    if best:
+        label = f"boto3 best: every file at once ({files_at_once}), 16 MiB parts, {BEST_CONCURRENCY} threads/file"
     nbytes = sum(len(d) for d in shards.values())
     return measure_rounds(label, repeats, upload, lambda i: remove_prefix(fs, f"{BUCKET}/boto3-{tag}/{i}"), nbytes)
+
+
+RANGE_BYTES = 16 * MIB
+RANGE_THREADS = 16
+
+
+def bench_boto3_ranged_loads(
+    client: Any, fs: Any, directory: str, repeats: int, log: RequestLog | None = None
+) -> tuple[Samples, list[dict[str, int]], int]:
+    """Parallel ranged GETs (16 MiB ranges, 16 threads) of every ``.safetensors`` file of a
+    checkpoint into preallocated buffers: the bytes only, no tensors."""
+    files = {
+        object_key(i["name"]): int(i["size"])
+        for i in fs.ls(directory, detail=True, refresh=True)
+        if i["name"].endswith(".safetensors")
+    }
+    buffers = {key: bytearray(size) for key, size in files.items()}
+    ranges = [
+        (key, start, min(start + RANGE_BYTES, size))
+        for key, size in files.items()
+        for start in range(0, size, RANGE_BYTES)
+    ]
+
+    def fetch(key: str, start: int, end: int) -> None:
+        bucket, name = key.split("/", 1)
+        body = client.get_object(Bucket=bucket, Key=name, Range=f"bytes={start}-{end - 1}")["Body"]
+        view = memoryview(buffers[key])[start:end]
+        offset = 0
+        while offset < len(view):
+            chunk = body.read(min(8 * MIB, len(view) - offset))
+            if not chunk:
+                raise OSError(f"{key}: short read at {start + offset}")
+            view[offset : offset + len(chunk)] = chunk
+            offset += len(chunk)
+
+    samples = Samples("boto3 ranged GETs")
+    counts: list[dict[str, int]] = []
+    with ThreadPoolExecutor(RANGE_THREADS, thread_name_prefix="boto3-get") as pool:
+        for i in range(repeats):
+            mark = log.mark() if log is not None else 0
+            started = time.perf_counter()
+            for future in [pool.submit(fetch, *r) for r in ranges]:
+                future.result()
+            seconds = time.perf_counter() - started
+            samples.add(seconds)
+            if log is not None:
+                counts.append(count_load(log.since(mark)))
+            print(f"  boto3 ranged GETs {i}: {seconds:.3f} s, {len(ranges)} ranges", flush=True)
+    nbytes = sum(files.values())
+    buffers.clear()
+    free_memory()
+    return samples, counts, nbytes
 
 
 # ---- torch.distributed.checkpoint ----------------------------------------------------------
@@ -469,24 +677,41 @@ def bench_dcp_load(state: State, endpoint: str, kept: int, repeats: int) -> tupl
 # ---- report --------------------------------------------------------------------------------
 
 
+def best_boto3(uploads: dict[str, Measured]) -> Measured | None:
+    """The boto3 configuration with several files at once that was fastest (warm median)."""
+    candidates = [uploads[k] for k in ("boto3-par", "boto3-best") if k in uploads]
+    return min(candidates, key=lambda m: m.warm.median / max(m.nbytes, 1), default=None)
+
+
+LOAD_LABELS = {
+    "ckptd": "ckptd load (ckpt.load(step))",
+    "boto3": "boto3 parallel ranged GETs of the same files (bytes only)",
+    "DCP": "DCP load (FsspecReader, preallocated)",
+}
+
+
 def build_rows(uploads: dict[str, Measured], loads: dict[str, tuple[Samples, int]]) -> list[Row]:
-    """Upload rows against boto3 (files one after another), then load rows against DCP's load."""
+    """Upload rows against boto3's best configuration (several files at once, several parts each),
+    then load rows against DCP's load."""
     rows: list[Row] = []
-    base = uploads.get("boto3")
-    base_first = Row("boto3 first", base.first, base.nbytes) if base else None
-    base_warm = Row("boto3 warm", base.warm, base.nbytes) if base else None
+    base = best_boto3(uploads)
+    base_first = Row("boto3 best first", base.first, base.nbytes) if base else None
+    base_warm = Row("boto3 best warm", base.warm, base.nbytes) if base else None
     for m in uploads.values():
-        rows.append(Row(f"{m.label}: first", m.first, m.nbytes, base_first, "boto3 first"))
+        rows.append(Row(f"{m.label}: first", m.first, m.nbytes, base_first, "boto3 best first"))
         if m.label == "ckptd":
-            rows.append(Row("ckptd: first, write only", m.extra["first write"], m.nbytes, base_first, "boto3 first"))
-        rows.append(Row(f"{m.label}: warm", m.warm, m.nbytes, base_warm, "boto3 warm"))
+            rows.append(
+                Row("ckptd: first, write only", m.extra["first write"], m.nbytes, base_first, "boto3 best first")
+            )
+        rows.append(Row(f"{m.label}: warm", m.warm, m.nbytes, base_warm, "boto3 best warm"))
         if m.label == "ckptd":
-            rows.append(Row("ckptd: warm, write only", m.extra["warm write"], m.nbytes, base_warm, "boto3 warm"))
+            rows.append(Row("ckptd: warm, write only", m.extra["warm write"], m.nbytes, base_warm, "boto3 best warm"))
     dcp = loads.get("DCP")
     dcp_row = Row("DCP load", dcp[0], dcp[1]) if dcp else None
     for name, (samples, nbytes) in loads.items():
-        label = "ckptd load (ckpt.load(step))" if name == "ckptd" else "DCP load (FsspecReader, preallocated)"
-        rows.append(Row(label, samples, nbytes, None if name == "DCP" else dcp_row, "DCP load" if dcp_row else ""))
+        rows.append(
+            Row(LOAD_LABELS[name], samples, nbytes, None if name == "DCP" else dcp_row, "DCP load" if dcp_row else "")
+        )
     return rows
 
 
@@ -528,6 +753,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="run the moto server in a child process instead of threads of this process",
     )
+    parser.add_argument("--quick", action="store_true", help="skip the s3fs pipe/put rows")
     parser.add_argument("--json", metavar="PATH", help="also write all samples and the table as JSON")
     args = parser.parse_args(argv)
     if args.gib <= 0 or args.repeats < 1:
@@ -535,7 +761,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_all(args: argparse.Namespace, endpoint: str, bench_dir: str, state: State) -> dict[str, Any]:
+def run_all(
+    args: argparse.Namespace, endpoint: str, bench_dir: str, state: State, log: RequestLog | None
+) -> dict[str, Any]:
     """Every measurement against the running server; returns what main prints and dumps."""
     import ckptd
 
@@ -545,6 +773,7 @@ def run_all(args: argparse.Namespace, endpoint: str, bench_dir: str, state: Stat
     uploads: dict[str, Measured] = {}
     loads: dict[str, tuple[Samples, int]] = {}
     notes: dict[str, str] = {}
+    load_counts: dict[str, list[dict[str, int]]] = {}
 
     def ckptd_phase() -> None:
         started = time.perf_counter()
@@ -556,11 +785,17 @@ def run_all(args: argparse.Namespace, endpoint: str, bench_dir: str, state: Stat
         setup = time.perf_counter() - started
         print(f"  ckptd constructor: {setup:.3f} s (counted in the first save's total)")
         try:
-            measured, kept = bench_ckptd_saves(ckpt, state, fs, args.repeats, setup)
+            measured, kept = bench_ckptd_saves(ckpt, state, fs, args.repeats, setup, log)
             uploads["ckptd"] = measured
             notes["ckptd"] = measured.note
             print(f"  ckptd files: {sorted(os.path.basename(p) for p in fs.ls(ckpt.path_for(kept)))}")
-            loads["ckptd"] = (bench_ckptd_loads(ckpt, kept, state, args.repeats), measured.nbytes)
+            samples, load_counts["ckptd"] = bench_ckptd_loads(ckpt, kept, state, args.repeats, log)
+            loads["ckptd"] = (samples, measured.nbytes)
+            samples, load_counts["boto3"], nbytes = timed_phase(
+                "boto3 parallel ranged GETs of ckptd's files",
+                lambda: bench_boto3_ranged_loads(boto, fs, ckpt.path_for(kept), args.repeats, log),
+            )
+            loads["boto3"] = (samples, nbytes)
             remove_prefix(fs, ckpt.path_for(kept))
         finally:
             ckpt.close()
@@ -568,15 +803,20 @@ def run_all(args: argparse.Namespace, endpoint: str, bench_dir: str, state: Stat
     timed_phase("ckptd async_save + load", ckptd_phase)
     shards = timed_phase("serialising safetensors shards in memory (untimed)", lambda: shard_state(state))
     print(f"  {len(shards)} shards: " + ", ".join(f"{n} {len(d) / GB:.3f} GB" for n, d in shards.items()))
-    uploads["pipe"] = timed_phase("s3fs pipe", lambda: bench_s3fs_pipe(fs, shards, args.repeats))
-    uploads["put"] = timed_phase(
-        "s3fs put", lambda: bench_s3fs_put(fs, shards, os.path.join(bench_dir, "put"), args.repeats)
-    )
+    if not args.quick:
+        uploads["pipe"] = timed_phase("s3fs pipe", lambda: bench_s3fs_pipe(fs, shards, args.repeats))
+        uploads["put"] = timed_phase(
+            "s3fs put", lambda: bench_s3fs_put(fs, shards, os.path.join(bench_dir, "put"), args.repeats)
+        )
     uploads["boto3"] = timed_phase(
         "boto3 upload_fileobj, files one after another", lambda: bench_boto3(boto, fs, shards, args.repeats, 1)
     )
     uploads["boto3-par"] = timed_phase(
         "boto3 upload_fileobj, 4 files at once", lambda: bench_boto3(boto, fs, shards, args.repeats, 4)
+    )
+    uploads["boto3-best"] = timed_phase(
+        "boto3 best: every file at once, 16 MiB parts, 8 threads per file",
+        lambda: bench_boto3(boto, fs, shards, args.repeats, len(shards), best=True),
     )
     shards.clear()
     free_memory()
@@ -591,7 +831,12 @@ def run_all(args: argparse.Namespace, endpoint: str, bench_dir: str, state: Stat
     notes["boto3"] = (
         f"TransferConfig(multipart_threshold=64 MiB, multipart_chunksize=64 MiB, max_concurrency={BOTO3_CONCURRENCY})"
     )
-    return {"uploads": uploads, "loads": loads, "notes": notes}
+    notes["boto3 best"] = (
+        f"every file at once; TransferConfig(multipart_threshold=16 MiB, multipart_chunksize=16 MiB, "
+        f"max_concurrency={BEST_CONCURRENCY})"
+    )
+    notes["boto3 ranged GETs"] = f"{RANGE_BYTES // MIB} MiB ranges, {RANGE_THREADS} threads, into bytearrays"
+    return {"uploads": uploads, "loads": loads, "notes": notes, "load_counts": load_counts}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -623,9 +868,10 @@ def main(argv: list[str] | None = None) -> int:
             f"state: {total / GIB:.3f} GiB ({total} bytes), {count} tensors; vocab {VOCAB}, hidden {hidden}, "
             f"{LAYERS} layers; bf16 weights + fp32 Adam exp_avg/exp_avg_sq + int64 step"
         )
-        with moto_server(args.server_subprocess) as endpoint:
+        log = None if args.server_subprocess else RequestLog()
+        with moto_server(args.server_subprocess, log) as endpoint:
             print(f"server: {endpoint}, bucket {BUCKET}")
-            results = run_all(args, endpoint, bench_dir, state)
+            results = run_all(args, endpoint, bench_dir, state, log)
         rows = build_rows(results["uploads"], results["loads"])
         print(
             f"\n== results: {total / GIB:.3f} GiB payload, {count} tensors; first = 1, warm = {args.repeats}; "
@@ -645,6 +891,9 @@ def main(argv: list[str] | None = None) -> int:
                     "uploads": {k: asdict(v) for k, v in results["uploads"].items()},
                     "loads": {k: {"samples": asdict(s), "bytes": n} for k, (s, n) in results["loads"].items()},
                     "notes": results["notes"],
+                    "save_counts": results["uploads"]["ckptd"].counts if "ckptd" in results["uploads"] else [],
+                    "load_counts": results["load_counts"],
+                    "payload_bytes": total,
                     "table": [
                         {
                             "what": r.what,

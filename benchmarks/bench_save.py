@@ -1,24 +1,27 @@
 #!/usr/bin/env python
-"""Benchmark ckptd's asynchronous save against hardware floors and torch.distributed.checkpoint.
+"""Benchmark ckptd's asynchronous save against fair floors, user-facing baselines and DCP.
 
 The script builds a transformer-shaped training state (bf16 weights, fp32 Adam moments, an int64
 step) of about ``--gib`` GiB and measures, in one run:
 
-* the copy floor: ``dst.copy_(src)`` of every tensor into preallocated tensors -- the least a
-  snapshot can block the training loop on this machine;
-* the write floor: one sequential ``os.write`` stream of the same bytes plus ``fsync`` -- the
-  least a durable save can take on this disk;
-* ``safetensors.torch.save_file`` + ``fsync`` of the flat state, a synchronous reference;
+* the fair floors of ``floors.py``, measured again right before every ckptd save (floor, ours,
+  floor, ours) so each save has its own pair: the **copy floor** (``copy_`` into pre-faulted
+  memfd-shared and anonymous memory, the faster) for the blocking time and the **write floor**
+  (O_DIRECT from one page-aligned buffer + fsync, and buffered + fsync, the faster) for the time
+  to committed; the ratios reported are medians of the per-pair ratios;
+* user-facing baselines (what a user would otherwise do, not floors): ``copy_`` into
+  ``torch.empty_like`` tensors, and ``safetensors.torch.save_file`` + ``fsync`` of the flat state;
 * ckptd ``Checkpointer.async_save``: blocking time and time until the commit, first save
-  (writer start, arena allocation) separately from warm saves; then the same with
+  (constructor, writer start, arena allocation) separately from warm saves; then the same with
   ``ckpt.prepare(state)`` called after the constructor (``ckptd[prepare]``, its time counted in
   the first save) and with ``async_save(staging="background")`` (``ckptd[background]``), unless
   ``--skip-variants``;
-* DCP ``async_save`` in process mode with a reused ``DefaultStager``, first and warm saves.
+* DCP ``async_save`` in process mode with a reused ``DefaultStager``, first and warm saves
+  (a user-facing baseline), unless ``--skip-dcp``.
 
 Example::
 
-    python benchmarks/bench_save.py --gib 2 --repeats 3 --json results.json
+    python benchmarks/bench_save.py --gib 1 --repeats 3 --json results.json
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ import torch
 
 GIB = 1024**3
 MIB = 1024**2
-WRITE_CHUNK = 16 * MIB
 VOCAB = 32_000
 LAYERS = 11  # 1 + 9 * 11 = 100 weights -> 300 moments + 1 step = 301 tensors
 HIDDEN_MULTIPLE = 64
@@ -89,9 +91,12 @@ class Row:
     samples: Samples
     reference: Samples | None = None
     reference_label: str = ""
+    pair_ratios: list[float] | None = None  # per-pair ratios; their median is the ratio when given
 
     @property
     def ratio(self) -> float | None:
+        if self.pair_ratios:
+            return statistics.median(self.pair_ratios)
         return None if self.reference is None else self.samples.median / self.reference.median
 
     @property
@@ -219,15 +224,48 @@ def free_memory() -> None:
     gc.collect()
 
 
-# ---- floors and references -----------------------------------------------------------------
+# ---- fair floors and user-facing baselines ---------------------------------------------------
 
 
-def bench_copy_floor(state: State, repeats: int) -> Samples:
-    """Seconds to ``copy_`` every tensor into preallocated (and pre-faulted) tensors."""
+class Floors:
+    """The copy and write floors of ``floors.py`` for one state, measured on demand.
+
+    Every call of :meth:`measure` copies the state into both kinds of memory and writes it with
+    O_DIRECT and buffered, and returns ``{"copy": {...}, "write": {...}}`` (each with its
+    ``"floor"``, the faster method).  Benchmarks call it right before each save they time.
+    """
+
+    def __init__(self, state: State, bench_dir: str) -> None:
+        from floors import CopyFloor, WriteFloor
+
+        self.copy = CopyFloor(t for _, t in iter_tensors(state))
+        self.copy.measure()  # warm-up: first touches, allocator
+        self.write = WriteFloor(self.copy.anonymous, self.copy.nbytes, bench_dir)
+        self.write.measure()  # warm-up: the first large write of a process is slower on some machines
+        self.history: list[dict[str, dict[str, float]]] = []
+
+    def measure(self) -> dict[str, dict[str, float]]:
+        out = {"copy": self.copy.measure(), "write": self.write.measure()}
+        self.history.append(out)
+        print(
+            "  floors: copy "
+            + " ".join(f"{k}={v:.3f}" for k, v in out["copy"].items())
+            + "; write "
+            + " ".join(f"{k}={v:.3f}" for k, v in out["write"].items()),
+            flush=True,
+        )
+        return out
+
+    def close(self) -> None:
+        self.copy.close()
+
+
+def bench_copy_baseline(state: State, repeats: int) -> Samples:
+    """User-facing baseline: seconds to ``copy_`` every tensor into ``torch.empty_like`` tensors."""
     pairs = [(src, torch.empty_like(src)) for _, src in iter_tensors(state)]
     for src, dst in pairs:  # warm-up: fault the destination pages in
         dst.copy_(src)
-    samples = Samples("copy floor")
+    samples = Samples("copy_ into empty_like")
     for _ in range(repeats):
         started = time.perf_counter()
         for src, dst in pairs:
@@ -238,29 +276,6 @@ def bench_copy_floor(state: State, repeats: int) -> Samples:
     return samples
 
 
-def contiguous_copy(state: State) -> torch.Tensor:
-    """One uint8 buffer holding every tensor's bytes back to back (real data, pages faulted in)."""
-    buffer = torch.empty(state_bytes(state), dtype=torch.uint8)
-    offset = 0
-    for _, tensor in iter_tensors(state):
-        raw = tensor.reshape(-1).view(torch.uint8)
-        buffer[offset : offset + raw.numel()].copy_(raw)
-        offset += raw.numel()
-    return buffer
-
-
-def write_and_fsync(path: str, data: memoryview, chunk: int = WRITE_CHUNK) -> None:
-    """Write ``data`` sequentially with ``os.write`` in ``chunk``-byte pieces, fsync, close."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        offset = 0
-        while offset < len(data):
-            offset += os.write(fd, data[offset : offset + chunk])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_path(path: str) -> None:
     """fsync an existing file by path."""
     fd = os.open(path, os.O_RDONLY)
@@ -268,30 +283,6 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def bench_raw_write(state: State, bench_dir: str, repeats: int) -> Samples:
-    """Seconds to stream the state's byte count to one file and fsync it.
-
-    One untimed write comes first, like the copy floor's warm-up: the first large write of a
-    process is much slower on some machines (fresh page-cache pages), which would flatter
-    every save measured later against this floor.
-    """
-    buffer = contiguous_copy(state)
-    data = buffer.numpy().data
-    path = os.path.join(bench_dir, "raw-write.bin")
-    write_and_fsync(path, data)
-    os.remove(path)
-    samples = Samples("raw write+fsync")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        write_and_fsync(path, data)
-        samples.add(time.perf_counter() - started)
-        os.remove(path)
-    data.release()
-    del buffer
-    free_memory()
-    return samples
 
 
 def bench_safetensors(state: State, bench_dir: str, repeats: int) -> Samples:
@@ -327,6 +318,16 @@ class SaveRun:
     warm_total: Samples
     details: list[dict[str, Any]] = field(default_factory=list)
     note: str = ""
+    # The floors measured right before each save (same order as details); empty without floors.
+    floors: list[dict[str, dict[str, float]]] = field(default_factory=list)
+
+    def pair_ratios(self, attr: str, floor: str, first: bool = False) -> list[float]:
+        """``ours / floor`` of each save paired with the floor measured right before it."""
+        out = []
+        for detail, floors in zip(self.details, self.floors, strict=False):
+            if detail["first"] == first:
+                out.append(detail[attr] / floors[floor]["floor"])
+        return out
 
 
 def new_save_run(label: str) -> SaveRun:
@@ -356,15 +357,20 @@ def bench_ckptd(
     *,
     staging: str = "blocking",
     prepare: bool = False,
+    floors: Floors | None = None,
 ) -> SaveRun:
     """First save (Checkpointer construction included in its total), then ``repeats`` warm saves.
 
     ``staging`` is passed to every ``async_save``. With ``prepare``, ``ckpt.prepare(state)`` runs
     right after the constructor and its time is counted in the setup (and so in the first total).
+    With ``floors``, the floors are measured right before each save (before the constructor for
+    the first one), so every save has its own floor pair.
     """
     import ckptd
 
     run = new_save_run(label)
+    if floors is not None:
+        run.floors.append(floors.measure())
     root = os.path.join(bench_dir, label.replace("[", "-").replace("]", ""))
     started = time.perf_counter()
     ckpt = ckptd.Checkpointer(root, max_shard_size="2GB")
@@ -380,6 +386,8 @@ def bench_ckptd(
         for step in range(repeats + 1):
             first = step == 0
             if not first:
+                if floors is not None:
+                    run.floors.append(floors.measure())
                 started = time.perf_counter()
             call_started = time.perf_counter()
             request = ckpt.async_save(step, state, staging=staging)
@@ -525,23 +533,64 @@ def bench_dcp(state: State, bench_dir: str, repeats: int) -> SaveRun:
 # ---- report --------------------------------------------------------------------------------
 
 
-def build_rows(floors: dict[str, Samples], runs: list[SaveRun]) -> list[Row]:
-    """Table rows: floors, then each async saver against them, then ckptd against DCP."""
-    copy_floor, raw_write = floors["copy"], floors["raw"]
-    rows = [
-        Row("copy floor (copy_ into preallocated)", copy_floor),
-        Row("raw write+fsync floor", raw_write),
-    ]
-    if "safetensors" in floors:
-        rows.append(Row("safetensors save_file+fsync", floors["safetensors"], raw_write, "raw write"))
+def floor_samples(history: list[dict[str, dict[str, float]]]) -> dict[str, Samples]:
+    """Samples of every floor method (``copy shared``, ..., ``write floor``) over ``history``."""
+    out: dict[str, Samples] = {}
+    for measured in history:
+        for kind, methods in measured.items():
+            for method, seconds in methods.items():
+                out.setdefault(f"{kind} {method}", Samples(f"{kind} {method}")).add(seconds)
+    return out
+
+
+def build_rows(baselines: dict[str, Samples], floors: dict[str, Samples], runs: list[SaveRun]) -> list[Row]:
+    """Table rows: floors, user-facing baselines, each async saver against the floors (median of
+    per-pair ratios), then ckptd against DCP."""
+    copy_floor, write_floor = floors["copy floor"], floors["write floor"]
+    rows = [Row(f"floor: {name}", samples) for name, samples in floors.items()]
+    rows.append(Row("user-facing baseline: copy_ into empty_like", baselines["copy"], copy_floor, "copy floor"))
+    if "safetensors" in baselines:
+        rows.append(
+            Row(
+                "user-facing baseline: safetensors save_file+fsync",
+                baselines["safetensors"],
+                write_floor,
+                "write floor",
+            )
+        )
     for run in runs:
         name = run.label
+        paired = bool(run.floors)
         rows += [
             Row(f"{name} setup (constructor)", run.setup),
-            Row(f"{name} first blocking", run.first_blocking, copy_floor, "copy floor"),
-            Row(f"{name} first total (incl. setup)", run.first_total, raw_write, "raw write"),
-            Row(f"{name} warm blocking", run.warm_blocking, copy_floor, "copy floor"),
-            Row(f"{name} warm total", run.warm_total, raw_write, "raw write"),
+            Row(
+                f"{name} first blocking",
+                run.first_blocking,
+                copy_floor,
+                "copy floor" + (" (pair)" if paired else ""),
+                run.pair_ratios("blocking", "copy", True) if paired else None,
+            ),
+            Row(
+                f"{name} first total (incl. setup)",
+                run.first_total,
+                write_floor,
+                "write floor" + (" (pair)" if paired else ""),
+                run.pair_ratios("total", "write", True) if paired else None,
+            ),
+            Row(
+                f"{name} warm blocking",
+                run.warm_blocking,
+                copy_floor,
+                "copy floor" + (" (pairs)" if paired else ""),
+                run.pair_ratios("blocking", "copy") if paired else None,
+            ),
+            Row(
+                f"{name} warm total",
+                run.warm_total,
+                write_floor,
+                "write floor" + (" (pairs)" if paired else ""),
+                run.pair_ratios("total", "write") if paired else None,
+            ),
         ]
     ours = next((r for r in runs if r.label == "ckptd"), None)
     theirs = next((r for r in runs if r.label.startswith("DCP")), None)
@@ -549,7 +598,7 @@ def build_rows(floors: dict[str, Samples], runs: list[SaveRun]) -> list[Row]:
         for attr in ("first_blocking", "first_total", "warm_blocking", "warm_total"):
             mine: Samples = getattr(ours, attr)
             other: Samples = getattr(theirs, attr)
-            rows.append(Row(f"{mine.name} vs {other.name}", mine, other, theirs.label))
+            rows.append(Row(f"{mine.name} vs {other.name}", mine, other, f"{theirs.label} (user-facing baseline)"))
     return rows
 
 
@@ -596,6 +645,13 @@ def dump_json(path: str, payload: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2, default=str)
         f.write("\n")
+
+
+def floor_methods() -> dict[str, str]:
+    """One line per floor: how it is measured (from ``floors.py``)."""
+    from floors import METHODS
+
+    return dict(METHODS)
 
 
 # ---- main ----------------------------------------------------------------------------------
@@ -650,31 +706,47 @@ def main(argv: list[str] | None = None) -> int:
             f"state: {total / GIB:.3f} GiB ({total} bytes), {count} tensors; vocab {VOCAB}, hidden {hidden}, "
             f"{LAYERS} layers; bf16 weights + fp32 Adam exp_avg/exp_avg_sq + int64 step"
         )
-        floors: dict[str, Samples] = {}
-        floors["copy"] = timed_phase("copy floor", lambda: bench_copy_floor(state, args.repeats))
-        floors["raw"] = timed_phase("raw write+fsync", lambda: bench_raw_write(state, bench_dir, args.repeats))
-        floors["safetensors"] = timed_phase(
-            "safetensors save_file+fsync", lambda: bench_safetensors(state, bench_dir, args.repeats)
+        baselines: dict[str, Samples] = {}
+        baselines["copy"] = timed_phase(
+            "user-facing baseline: copy_ into empty_like", lambda: bench_copy_baseline(state, args.repeats)
         )
-        for samples in (floors["copy"], floors["raw"]):
-            print(f"   {samples.name}: {total / GIB / samples.median:.2f} GiB/s (median)")
-        runs: list[SaveRun] = [timed_phase("ckptd async_save", lambda: bench_ckptd(state, bench_dir, args.repeats))]
+        baselines["safetensors"] = timed_phase(
+            "user-facing baseline: safetensors save_file+fsync",
+            lambda: bench_safetensors(state, bench_dir, args.repeats),
+        )
+        floors = timed_phase("floors: allocating and warming up", lambda: Floors(state, bench_dir))
+        runs: list[SaveRun] = [
+            timed_phase("ckptd async_save", lambda: bench_ckptd(state, bench_dir, args.repeats, floors=floors))
+        ]
         if not args.skip_variants:
             runs.append(
                 timed_phase(
                     "ckptd async_save after ckpt.prepare(state)",
-                    lambda: bench_ckptd(state, bench_dir, args.repeats, "ckptd[prepare]", prepare=True),
+                    lambda: bench_ckptd(state, bench_dir, args.repeats, "ckptd[prepare]", prepare=True, floors=floors),
                 )
             )
             runs.append(
                 timed_phase(
                     'ckptd async_save(staging="background")',
-                    lambda: bench_ckptd(state, bench_dir, args.repeats, "ckptd[background]", staging="background"),
+                    lambda: bench_ckptd(
+                        state, bench_dir, args.repeats, "ckptd[background]", staging="background", floors=floors
+                    ),
                 )
             )
+        floors.close()
+        free_memory()
         if not args.skip_dcp:
             runs.append(timed_phase("DCP async_save", lambda: bench_dcp(state, bench_dir, args.repeats)))
-        rows = build_rows(floors, runs)
+        floor_history = [f for run in runs for f in run.floors]
+        floor_stats = floor_samples(floor_history)
+        floor_stats = {
+            "copy floor": floor_stats.pop("copy floor"),
+            "write floor": floor_stats.pop("write floor"),
+            **floor_stats,
+        }
+        for name in ("copy floor", "write floor"):
+            print(f"   {name}: {total / GIB / floor_stats[name].median:.2f} GiB/s (median)")
+        rows = build_rows(baselines, floor_stats, runs)
         print(f"\n== results: {total / GIB:.3f} GiB, {count} tensors; first save = 1, warm saves = {args.repeats}")
         for run in runs:
             if run.note:
@@ -687,7 +759,9 @@ def main(argv: list[str] | None = None) -> int:
                     "command": shlex.join([sys.executable, *sys.argv]),
                     "machine": machine,
                     "state": {"bytes": total, "tensors": count, "vocab": VOCAB, "hidden": hidden, "layers": LAYERS},
-                    "floors": {k: asdict(v) for k, v in floors.items()},
+                    "floors": {k: asdict(v) for k, v in floor_stats.items()},
+                    "floor_methods": floor_methods(),
+                    "baselines": {k: asdict(v) for k, v in baselines.items()},
                     "runs": [asdict(r) for r in runs],
                     "table": [
                         {
@@ -697,6 +771,7 @@ def main(argv: list[str] | None = None) -> int:
                             "max": r.samples.high,
                             "n": len(r.samples.values),
                             "ratio": r.ratio,
+                            "pair_ratios": r.pair_ratios,
                             "vs": r.reference_label,
                             "diff": r.delta,
                         }

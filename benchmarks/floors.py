@@ -1,0 +1,329 @@
+"""Fair floors for ckptd's benchmarks: the least this machine needs to copy, write and read a state.
+
+Every floor is measured in the same run (and the same process) as the ckptd numbers it is
+compared with, and the benchmark scripts interleave them with ckptd's repeats (floor, ours,
+floor, ours) so that a noisy machine moves both sides of each pair together.
+
+* **Copy floor** (:class:`CopyFloor`): ``dst.copy_(src)`` of every tensor into views of one
+  pre-faulted buffer, at 64-byte aligned offsets, for two kinds of memory: a ``memfd`` mapped
+  ``MAP_SHARED`` (the kind of memory ckptd's staging arena is; ``posix_fallocate`` +
+  ``MAP_POPULATE``) and anonymous private memory (``MAP_POPULATE``).  The floor is the faster.
+* **Write floor** (:class:`WriteFloor`): the state's bytes, laid out back to back in one
+  page-aligned buffer (the anonymous buffer of the copy floor), written to one new file in 16 MiB
+  ``pwrite`` calls and ``fsync``-ed: once with ``O_DIRECT`` (the file is truncated to the exact
+  size before the ``fsync``) and once buffered.  The floor is the faster.
+* **Read floor** (:class:`ReadFloor`): ``os.preadv`` of each safetensors file's data section
+  straight into the preallocated target tensors, with one thread (consecutive tensors in one
+  call) and with 4 threads over 32 MiB slices (several I/Os in flight: ckptd's loader reads
+  with several threads, and a one-thread floor was beaten on cold reads); the floor is the
+  faster.  Warm (page cache hot) and cold (``posix_fadvise(DONTNEED)`` on every file first; the bytes really
+  read from the disk are taken from ``read_bytes`` in ``/proc/self/io``).
+
+One-line descriptions of each method are in :data:`METHODS` (``run_all.py`` prints them).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "METHODS",
+    "CopyFloor",
+    "ReadFloor",
+    "WriteFloor",
+    "drop_from_page_cache",
+    "proc_io",
+]
+
+PAGE = mmap.PAGESIZE
+TENSOR_ALIGNMENT = 64
+WRITE_CHUNK = 16 * 1024**2
+DIRECT_ALIGNMENT = 4096
+IOV_MAX = 1024
+READ_SLICE = 32 * 1024**2
+READ_THREADS = 4
+
+METHODS = {
+    "copy": (
+        "copy_ of every tensor into views of one pre-faulted buffer, the faster of a memfd MAP_SHARED mapping "
+        "(fallocated + MAP_POPULATE, the arena's kind of memory) and anonymous MAP_POPULATE memory"
+    ),
+    "write": (
+        "all bytes in one page-aligned buffer, 16 MiB pwrites to one new file + fsync, the faster of O_DIRECT "
+        "and buffered"
+    ),
+    "read": (
+        "os.preadv of each safetensors data section straight into the preallocated targets, the faster of one "
+        "thread and 4 threads over 32 MiB slices; cold = posix_fadvise(DONTNEED) first, checked with read_bytes "
+        "of /proc/self/io"
+    ),
+}
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def proc_io() -> dict[str, int]:
+    """``/proc/self/io`` as ``{field: value}`` (``rchar``, ``read_bytes``, ...)."""
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(":") for line in f)}
+
+
+def drop_from_page_cache(paths: Iterable[str]) -> None:
+    """``posix_fadvise(DONTNEED)`` on every file (clean pages leave the page cache)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages would stay cached
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+# ---- copy ------------------------------------------------------------------------------------
+
+
+def _shared_mapping(size: int) -> tuple[int, mmap.mmap]:
+    """A populated ``MAP_SHARED`` mapping of a fallocated memfd (like ckptd's arena)."""
+    fd = os.memfd_create("ckptd-bench-floor", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    os.posix_fallocate(fd, 0, size)
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return fd, mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _anonymous_mapping(size: int) -> mmap.mmap:
+    """A populated private anonymous mapping (page-aligned)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+class CopyFloor:
+    """``copy_`` of every tensor into a pre-faulted shared (memfd) buffer and an anonymous one.
+
+    After :meth:`measure`, :attr:`anonymous` holds the state's bytes (at 64-byte aligned offsets),
+    page-aligned: :class:`WriteFloor` writes from it.
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        self.sources = [_byte_view(t.contiguous()) for t in tensors]
+        offsets, size = [], 0
+        for src in self.sources:
+            size = _round_up(size, TENSOR_ALIGNMENT)
+            offsets.append(size)
+            size += src.numel()
+        self.nbytes = size
+        self.capacity = _round_up(max(size, 1), DIRECT_ALIGNMENT)
+        self._fd, self._shared = _shared_mapping(self.capacity)
+        self.anonymous = _anonymous_mapping(self.capacity)
+        self._targets: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for kind, mapping in (("shared", self._shared), ("anonymous", self.anonymous)):
+            whole = torch.frombuffer(mapping, dtype=torch.uint8)
+            self._targets[kind] = [
+                (src, whole[o : o + src.numel()]) for src, o in zip(self.sources, offsets, strict=True)
+            ]
+
+    def copy(self, kind: str) -> float:
+        """Seconds to copy every tensor into the ``kind`` buffer (``shared`` or ``anonymous``)."""
+        pairs = self._targets[kind]
+        started = time.perf_counter()
+        for src, dst in pairs:
+            dst.copy_(src)
+        return time.perf_counter() - started
+
+    def measure(self) -> dict[str, float]:
+        """One copy into each kind of memory: ``{"shared": s, "anonymous": s, "floor": min}``."""
+        out = {kind: self.copy(kind) for kind in ("shared", "anonymous")}
+        out["floor"] = min(out.values())
+        return out
+
+    def close(self) -> None:
+        """Unmap both buffers (views into them must be gone)."""
+        self._targets.clear()
+        self.sources.clear()
+        for mapping in (self._shared, self.anonymous):
+            try:
+                mapping.close()
+            except BufferError:  # a tensor view still exists; the mapping goes with it
+                pass
+        os.close(self._fd)
+
+
+# ---- write -----------------------------------------------------------------------------------
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
+
+
+class WriteFloor:
+    """Writes ``nbytes`` of a page-aligned ``buffer`` to one new file + ``fsync``, O_DIRECT and buffered."""
+
+    def __init__(self, buffer: mmap.mmap, nbytes: int, directory: str) -> None:
+        if len(buffer) % DIRECT_ALIGNMENT:
+            raise ValueError("the write floor's buffer must be a multiple of 4096 bytes long")
+        self.buffer = buffer
+        self.nbytes = nbytes
+        self.path = os.path.join(directory, "write-floor.bin")
+        self.direct_ok = hasattr(os, "O_DIRECT")
+
+    def write(self, direct: bool) -> float:
+        """Seconds to create the file, write every byte, (truncate,) fsync and close it."""
+        view = memoryview(self.buffer)
+        length = _round_up(self.nbytes, DIRECT_ALIGNMENT) if direct else self.nbytes
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+        started = time.perf_counter()
+        fd = os.open(self.path, flags, 0o644)
+        try:
+            for start in range(0, length, WRITE_CHUNK):
+                _pwrite_all(fd, view[start : min(start + WRITE_CHUNK, length)], start)
+            if length != self.nbytes:
+                os.ftruncate(fd, self.nbytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        seconds = time.perf_counter() - started
+        view.release()
+        os.remove(self.path)
+        return seconds
+
+    def measure(self) -> dict[str, float]:
+        """One write of each kind: ``{"o_direct": s, "buffered": s, "floor": min}``."""
+        out: dict[str, float] = {}
+        if self.direct_ok:
+            try:
+                out["o_direct"] = self.write(True)
+            except OSError:  # this filesystem has no O_DIRECT
+                self.direct_ok = False
+        out["buffered"] = self.write(False)
+        out["floor"] = min(out.values())
+        return out
+
+
+# ---- read ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Extent:
+    """One tensor's bytes in a file and the target tensor they go to."""
+
+    offset: int
+    target: torch.Tensor
+
+
+def _safetensors_extents(path: str, targets: Mapping[str, torch.Tensor]) -> list[_Extent]:
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    base = 8 + header_len
+    extents = []
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        target = _byte_view(targets[key])
+        if target.numel() != end - begin:
+            raise ValueError(f"{path}: {key} has {end - begin} bytes, its target {target.numel()}")
+        extents.append(_Extent(base + begin, target))
+    return sorted(extents, key=lambda e: e.offset)
+
+
+class ReadFloor:
+    """``preadv`` of safetensors files into preallocated target tensors, one thread or several.
+
+    ``files`` maps each component to its shard paths; ``targets`` maps each component to
+    ``{key: tensor}``.  The targets must be contiguous and of the stored dtypes and shapes.
+    :meth:`read` uses one thread and one ``preadv`` per run of consecutive tensors; with
+    ``threads > 1`` the tensors are cut into 32 MiB slices read by that many threads (several
+    I/Os in flight, which a cold disk rewards).
+    """
+
+    def __init__(self, files: Mapping[str, list[str]], targets: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        self.plan: list[tuple[str, list[_Extent]]] = [
+            (path, _safetensors_extents(path, targets[component]))
+            for component, paths in files.items()
+            for path in paths
+        ]
+        self.paths = [path for path, _ in self.plan]
+        self.nbytes = sum(e.target.numel() for _, extents in self.plan for e in extents)
+        self.slices: list[tuple[str, int, torch.Tensor]] = [
+            (path, e.offset + start, e.target[start : start + READ_SLICE])
+            for path, extents in self.plan
+            for e in extents
+            for start in range(0, e.target.numel(), READ_SLICE)
+        ]
+
+    def read(self, threads: int = 1) -> None:
+        """Fill every target from its file."""
+        if threads > 1:
+            self._read_threaded(threads)
+            return
+        for path, extents in self.plan:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                i = 0
+                while i < len(extents):
+                    # Consecutive tensors (no gap in the file) go in one preadv call.
+                    j, end = i + 1, extents[i].offset + extents[i].target.numel()
+                    while j < len(extents) and j - i < IOV_MAX and extents[j].offset == end:
+                        end += extents[j].target.numel()
+                        j += 1
+                    _preadv_all(fd, [memoryview(e.target.numpy()) for e in extents[i:j]], extents[i].offset, path)
+                    i = j
+            finally:
+                os.close(fd)
+
+    def _read_threaded(self, threads: int) -> None:
+        fds = {path: os.open(path, os.O_RDONLY) for path in self.paths}
+        try:
+            with ThreadPoolExecutor(threads, thread_name_prefix="read-floor") as pool:
+                futures = [
+                    pool.submit(_preadv_all, fds[path], [memoryview(piece.numpy())], offset, path)
+                    for path, offset, piece in self.slices
+                ]
+                for future in futures:
+                    future.result()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def measure(self, cold: bool, threads: int = 1) -> tuple[float, int]:
+        """Seconds of one :meth:`read` and the bytes ``/proc/self/io`` says came from the disk."""
+        if cold:
+            drop_from_page_cache(self.paths)
+        before = proc_io()["read_bytes"]
+        started = time.perf_counter()
+        self.read(threads)
+        seconds = time.perf_counter() - started
+        return seconds, proc_io()["read_bytes"] - before
+
+
+def _preadv_all(fd: int, buffers: list[memoryview], offset: int, path: str) -> None:
+    """``preadv`` until every buffer is full."""
+    while buffers:
+        done = os.preadv(fd, buffers, offset)
+        if done <= 0:
+            raise OSError(f"{path}: unexpected end of file at {offset}")
+        offset += done
+        while buffers and done >= len(buffers[0]):
+            done -= len(buffers[0])
+            buffers.pop(0)
+        if done:
+            buffers[0] = buffers[0][done:]
