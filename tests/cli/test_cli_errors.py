@@ -18,7 +18,7 @@ def committed(tmp_path):
     root = str(tmp_path / "runs")
     with ckptd.Checkpointer(root) as ckpt:
         ckpt.save(12, {"model": {"w": torch.arange(6, dtype=torch.float32)}, "progress": {"step": 12}})
-    return root, os.path.join(root, "checkpoint-000012")
+    return root, os.path.join(root, "checkpoint-12")
 
 
 def test_ls_and_gc_of_a_missing_root_fail_with_not_found(tmp_path):
@@ -87,7 +87,7 @@ def test_rm_of_a_checkpoint_others_reference_is_refused(tmp_path):
     with ckptd.Checkpointer(root, incremental=True) as ckpt:
         ckpt.save(1, {"model": frozen})
         ckpt.save(2, {"model": frozen})
-    assert_error(run("rm", root, "1"), "conflict", "checkpoint-000002")
+    assert_error(run("rm", root, "1"), "conflict", "checkpoint-2")
     assert_error(run("rm", root, "7"), "not_found", "step 7", "[1, 2]")
     assert run("rm", root, "2").returncode == 0
     assert run("rm", root, "1").returncode == 0

@@ -24,13 +24,13 @@ def test_ls_has_a_header_sizes_and_a_leftover_warning(tmp_path):
     with open(os.path.join(stale, "model-00001-of-00001.safetensors"), "wb") as f:
         f.write(b"\0" * 2048)
     os.utime(stale, (0, 0))
-    stray = os.path.join(root, "checkpoint-000005")  # no manifest, and not ckptd's staging: gc leaves it
+    stray = os.path.join(root, "checkpoint-5")  # no manifest, and not ckptd's staging: gc leaves it
     os.makedirs(stray)
     out = run("ls", root)
     assert out.returncode == 0, out.stderr
     header, committed, *leftovers = out.stdout.strip().splitlines()
     assert header.split() == ["STEP", "CREATED", "(UTC)", "WRITTEN", "REFERENCED", "FILES", "STATE", "NAME"]
-    assert committed.split()[0] == "3" and "committed" in committed and committed.endswith("checkpoint-000003")
+    assert committed.split()[0] == "3" and "committed" in committed and committed.endswith("checkpoint-3")
     assert len(leftovers) == 2 and all("incomplete" in line for line in leftovers)
     assert "2.0 KiB" in leftovers[0] and leftovers[0].endswith(os.path.basename(stale))
     gc_hint, by_hand = out.stderr.strip().splitlines()
@@ -47,7 +47,7 @@ def test_ls_has_a_header_sizes_and_a_leftover_warning(tmp_path):
 def test_gc_says_nothing_to_remove(tmp_path):
     out = run("gc", str(tmp_path))
     assert out.returncode == 0 and out.stdout.strip() == f"nothing to remove under {tmp_path}"
-    kept = tmp_path / "checkpoint-000002"  # gc leaves it and says so on stderr, unless --quiet
+    kept = tmp_path / "checkpoint-2"  # gc leaves it and says so on stderr, unless --quiet
     kept.mkdir()
     noted = run("gc", str(tmp_path))
     assert noted.stdout == out.stdout and f"kept {kept}" in noted.stderr
@@ -189,7 +189,7 @@ def test_s3_ls_verify_consolidate_overwrite(s3):
     out = run("ls", s3.url("runs"), "--storage-options", options)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[1].split()[0] == "4" and out.stderr == ""
-    path = s3.url("runs/checkpoint-000004")
+    path = s3.url("runs/checkpoint-4")
     assert run("--storage-options", options, "verify", path).returncode == 0
     target = s3.url("flat")
     assert run("consolidate", path, target, "--storage-options", options).returncode == 0

@@ -171,7 +171,7 @@ def test_ls_json(incremental_root):
     assert document["_exit"] == 0 and document["_stderr"] == ""  # the leftover warning is in the document
     first, second = document["checkpoints"]
     assert (first["step"], second["step"]) == (1, 2)
-    assert second["references"] == ["checkpoint-000001"]
+    assert second["references"] == ["checkpoint-1"]
     manifest = ckptd.CheckpointReader.open(second["path"]).manifest
     assert second["bytes_referenced"] == sum(f.size for f in manifest.files.values() if f.checkpoint)
     assert second["bytes_written"] == sum(f.size for f in manifest.files.values() if not f.checkpoint)
@@ -183,7 +183,7 @@ def test_ls_json(incremental_root):
 
 def test_info_json(incremental_root):
     root, _model = incremental_root
-    document = run_json("info", os.path.join(root, "checkpoint-000002"))
+    document = run_json("info", os.path.join(root, "checkpoint-2"))
     check(document, INFO)
     assert document["step"] == 2 and document["format"] == "ckptd"
     assert document["metrics"] == {"loss": 1.5} and document["metadata"] == {"run": "a"}
@@ -192,14 +192,14 @@ def test_info_json(incremental_root):
     largest = document["largest_tensors"][0]
     assert (largest["key"], largest["shape"], largest["bytes"]) == ("0.weight", [64, 16], 64 * 16 * 4)
     (reference,) = document["references"]
-    assert reference["checkpoint"] == "checkpoint-000001" and reference["committed"]
+    assert reference["checkpoint"] == "checkpoint-1" and reference["committed"]
     referenced = [f for f in document["files"] if f["checkpoint"]]
     assert referenced and all(len(f["crc32c"]) == 8 for f in document["files"])
 
 
 def test_verify_diff_json(incremental_root):
     root, _ = incremental_root
-    a, b = (os.path.join(root, f"checkpoint-00000{i}") for i in (1, 2))
+    a, b = (os.path.join(root, f"checkpoint-0{i}") for i in (1, 2))
     document = run_json("verify", b)
     check(document, VERIFY)
     assert document["verified"] and document["files"] == 4
@@ -216,7 +216,7 @@ def test_verify_diff_json(incremental_root):
 def test_gc_rm_consolidate_convert_json(incremental_root, tmp_path):
     root, _model = incremental_root
     flat = str(tmp_path / "flat")
-    document = run_json("consolidate", os.path.join(root, "checkpoint-000002"), flat)
+    document = run_json("consolidate", os.path.join(root, "checkpoint-2"), flat)
     check(document, CONSOLIDATE)
     assert document["overwritten"] is False
     hf = str(tmp_path / "hf")

@@ -38,14 +38,14 @@ def test_seed_shard_names_are_recognised(name, expected):
 
 
 def test_checkpoint_and_staging_names_round_trip():
-    assert names.checkpoint_dir_name(120) == "checkpoint-000120"
-    assert names.parse_step("checkpoint-000120") == 120
+    assert names.checkpoint_dir_name(120) == "checkpoint-120"
+    assert names.parse_step("checkpoint-000120") == 120  # older, zero-padded names still parse
     assert names.parse_step("checkpoint-7") == 7
     assert names.parse_step(".checkpoint-000120.tmp-x-1-ab") is None
     assert names.parse_step("checkpoint-12a") is None
 
     staging = names.staging_dir_name(42)
-    assert staging.startswith(".checkpoint-000042.tmp-")
+    assert staging.startswith(".checkpoint-42.tmp-")
     assert names.parse_step(staging) is None  # never listed as a checkpoint
     parsed = names.parse_staging_name(staging)
     assert parsed == names.StagingName(42, names.host_label(), os.getpid())

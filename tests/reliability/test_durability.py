@@ -51,7 +51,7 @@ def _recorded(tmp_path: Any, action: str, args: dict[str, Any]) -> list[Call]:
 def test_save_fsyncs_every_file_the_staging_directory_and_the_parent(tmp_path: Any) -> None:
     root = str(tmp_path / "new" / "deeper" / "ckpts")  # three directories the save creates
     calls = _recorded(tmp_path, "save", {"root": root, "steps": [1]})
-    final = os.path.join(root, "checkpoint-000001")
+    final = os.path.join(root, "checkpoint-1")
     renamed, staging = _rename(calls, final)
     files = sorted(os.listdir(final))
     assert any(name.endswith(".safetensors") for name in files) and "checkpoint_manifest.json" in files
@@ -86,7 +86,7 @@ def test_overwrite_and_removal_make_each_rename_durable(tmp_path: Any, exchange:
         ckpt.save(2, state_for(2))
     args = {"root": root, "steps": [2], "overwrite": True, "variant": 1, "keep_last": 1, "no_exchange": not exchange}
     calls = _recorded(tmp_path, "save", args)
-    final = os.path.join(root, "checkpoint-000002")
+    final = os.path.join(root, "checkpoint-2")
     manifest_synced = max(i for i, c in enumerate(calls) if c.op == "fsync" and c.paths[0].endswith("manifest.json"))
     staging = os.path.dirname(calls[manifest_synced].paths[0])
     staging_synced = _first(calls, "fsync", staging, after=manifest_synced)
@@ -103,8 +103,8 @@ def test_overwrite_and_removal_make_each_rename_durable(tmp_path: Any, exchange:
     removal = next(
         i
         for i, c in enumerate(calls)
-        if c.op == "rename" and c.paths[0] == os.path.join(root, "checkpoint-000001")  # retention, keep_last=1
+        if c.op == "rename" and c.paths[0] == os.path.join(root, "checkpoint-1")  # retention, keep_last=1
     )
-    assert ".checkpoint-000001.deleting-" in calls[removal].paths[1]
+    assert ".checkpoint-1.deleting-" in calls[removal].paths[1]
     _first(calls, "fsync", root, after=removal)
-    assert sorted(os.listdir(root)) == ["checkpoint-000002"]
+    assert sorted(os.listdir(root)) == ["checkpoint-2"]

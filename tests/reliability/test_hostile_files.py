@@ -121,7 +121,7 @@ _HOSTILE_VALUES: list[Any] = [
     "../secret.safetensors",
     "/etc/passwd",
     "a/b",
-    "checkpoint-000002",
+    "checkpoint-2",
     "I32",
     "F64",
     "BOOL",
@@ -303,7 +303,7 @@ def run_case(seed: int, golden: dict[str, Any], workdir: str) -> None:
     kind = "ckptd" if rng.random() < 0.7 else "hf"
     case_root = os.path.join(workdir, f"case-{seed}")
     os.makedirs(case_root)
-    directory = os.path.join(case_root, "checkpoint-000001")
+    directory = os.path.join(case_root, "checkpoint-1")
     shutil.copytree(golden[kind], directory)
     _plant_secrets(case_root)
     target = rng.choice(sorted(n for n in os.listdir(directory) if n.endswith((".json", ".safetensors"))))

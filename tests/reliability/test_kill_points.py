@@ -29,7 +29,7 @@ def _forking_server() -> Any:
     stop_zygote()
 
 
-STAGING_2 = r"/\.checkpoint-000002\.tmp-[^/]*"
+STAGING_2 = r"/\.checkpoint-2\.tmp-[^/]*"
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ POINTS = [
     Point("overwrite/after-exchange", (1, 2), "save", OVERWRITE2, r"rename|\.deleting-|1|before", {1: {0}, 2: {1}}),
     Point("overwrite/old-removal", (1, 2), "save", OVERWRITE2, r"unlink|\.deleting-|2|before", {1: {0}, 2: {1}}),
     # -- overwrite of step 2 where the filesystem cannot exchange (two renames) -------------
-    Point("fallback/aside", (1, 2), "save", FALLBACK2, "rename|/checkpoint-000002$|1|before", BOTH),
+    Point("fallback/aside", (1, 2), "save", FALLBACK2, "rename|/checkpoint-2$|1|before", BOTH),
     Point("fallback/between-renames", (1, 2), "save", FALLBACK2, f"rename|{STAGING_2}$|1|before", {1: {0}, 2: {1}}),
     Point("fallback/old-removal", (1, 2), "save", FALLBACK2, r"unlink|\.replaced-|1|before", {1: {0}, 2: {1}}),
     # -- retention -----------------------------------------------------------------------------
@@ -86,7 +86,7 @@ POINTS = [
         (1, 2, 3),
         "retention",
         {"keep_last": 1},
-        "rename|/checkpoint-000001$|1|before",
+        "rename|/checkpoint-1$|1|before",
         {3: {0}},
         BOTH,
     ),
@@ -107,7 +107,7 @@ POINTS = [
         (1, 2),
         "save",
         {"steps": [3], "keep_last": 2},
-        r"unlink|\.checkpoint-000001\.deleting-|2|before",
+        r"unlink|\.checkpoint-1\.deleting-|2|before",
         {2: {0}, 3: {0}},
         resave=(1, 3),
     ),
@@ -143,7 +143,7 @@ def test_kill_point(point: Point, tmp_path: Any) -> None:
     check_root(root, required=point.required, allowed=point.allowed, resave=point.resave)
 
 
-# -- consolidation: ckptd.consolidate(root/checkpoint-000001 -> root/consolidated) ------------
+# -- consolidation: ckptd.consolidate(root/checkpoint-1 -> root/consolidated) ------------
 
 CONSOLIDATION = [
     ("consolidate/shard-rename", r"rename|\.consolidated\.tmp-[^/]*/model-00001|1|before", False),
@@ -157,14 +157,14 @@ def test_kill_point_consolidation(kill: str, published: bool, tmp_path: Any) -> 
     root = str(tmp_path / "ckpts")
     _prepare(root, (1,))
     destination = os.path.join(root, "consolidated")
-    run("consolidate", {"source": os.path.join(root, "checkpoint-000001"), "destination": destination}, kill=kill)
+    run("consolidate", {"source": os.path.join(root, "checkpoint-1"), "destination": destination}, kill=kill)
     check_root(root, required=ONE, resave=(1,))
     assert os.path.isdir(destination) == published
     if published:
         reader = CheckpointReader.open(destination)
         reader.verify()
         assert_model(reader.read("model"), state_for(1)["model"])
-    ckptd.consolidate(os.path.join(root, "checkpoint-000001"), os.path.join(root, "again"))  # works after the crash
+    ckptd.consolidate(os.path.join(root, "checkpoint-1"), os.path.join(root, "again"))  # works after the crash
     CheckpointReader.open(os.path.join(root, "again")).verify()
 
 
@@ -182,7 +182,7 @@ def test_kill_point_garbage_collection(kill: str, tmp_path: Any) -> None:
     _prepare(root, (1, 2))
     run("save", {"root": root, **FALLBACK2}, kill=f"rename|{STAGING_2}$|1|before")
     names = os.listdir(root)
-    assert "checkpoint-000002" not in names, names  # the window the overwrite crashed in
+    assert "checkpoint-2" not in names, names  # the window the overwrite crashed in
     run("gc", {"root": root}, kill=kill)
     check_root(root, required={1: {0}, 2: {1}})
 

@@ -31,8 +31,8 @@ def _forking_server() -> Any:
 
 
 POINTS = [
-    ("s3/shard-upload", r"http|^PUT /[^ ]*/checkpoint-000002/model-00001|1|after", set()),
-    ("s3/manifest-upload", r"http|^PUT /[^ ]*/checkpoint-000002/checkpoint_manifest|1|before", set()),
+    ("s3/shard-upload", r"http|^PUT /[^ ]*/checkpoint-2/model-00001|1|after", set()),
+    ("s3/manifest-upload", r"http|^PUT /[^ ]*/checkpoint-2/checkpoint_manifest|1|before", set()),
 ]
 
 

@@ -8,7 +8,7 @@ two environment variables that only the tests set, either
 * ``CKPTD_TEST_KILL=<op>|<regex>|<n>|<before|after>``: SIGKILLs the whole process group (the
   trainer and its writer process) at the ``n``-th call of ``op`` on a path matching ``regex``,
   before or after the call.  ``op`` ``http`` matches the request line of an HTTP request sent
-  on a socket (``PUT /bucket/run/checkpoint-000002/checkpoint_manifest.json HTTP/1.1``): the
+  on a socket (``PUT /bucket/run/checkpoint-2/checkpoint_manifest.json HTTP/1.1``): the
   object-store kill points.
 
 The library has no test hooks: crashes happen at the system-call boundary, as a power cut or
