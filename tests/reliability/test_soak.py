@@ -8,7 +8,7 @@ Throughout and at the end:
 
 * no committed step is lost: after every save, each step whose ``result()`` returned is either
   listed by ``steps()`` or was removed by retention because two newer successful saves exist;
-  the listing never holds more than ``keep_last`` steps, nor one that was never saved;
+  the listing never holds more than ``keep_last`` steps, nor one whose save failed;
 * after each kill, and at the end, the newest steps load bit-exactly (``torch.equal``);
 * the test process's memory stays flat: VmRSS after save 500 is within 64 MiB of VmRSS after
   save 50 (and the open file descriptors and threads do not grow with the restarts);
