@@ -199,7 +199,7 @@ def test_info_json(incremental_root):
 
 def test_verify_diff_json(incremental_root):
     root, _ = incremental_root
-    a, b = (os.path.join(root, f"checkpoint-0{i}") for i in (1, 2))
+    a, b = (os.path.join(root, f"checkpoint-{i}") for i in (1, 2))
     document = run_json("verify", b)
     check(document, VERIFY)
     assert document["verified"] and document["files"] == 4
