@@ -35,6 +35,7 @@ __all__ = [
     "load_tensors_metadata",
     "optim_state_to_sharding_state",
     "retie_parameters",
+    "save_stats",
     "validate_sharding",
 ]
 
@@ -57,6 +58,7 @@ _CORE = {
     "load_tensors_metadata": "compat.megatron",
     "optim_state_to_sharding_state": "dist.optim",
     "retie_parameters": "load.assign",
+    "save_stats": "stats",
     "validate_sharding": "dist.sharding",
 }
 
@@ -168,6 +170,7 @@ if TYPE_CHECKING:
     from .options import CheckpointerOptions
     from .request import SaveRequest, SaveResult
     from .rng import RNGState
+    from .stats import save_stats
     from .tools.consolidate import consolidate
 
 

@@ -3,6 +3,9 @@
 ``async_save`` runs plan and stage on the caller's thread (the only part that blocks training),
 then hands the save to a background completion thread which asks the writer process to write
 the shards and finalizes the checkpoint.  Saves complete in the order they were made.
+
+It is longer than 450 lines for its docstrings: the public methods are documented here, where
+users read them; the work is in :mod:`ckptd.save` and :mod:`ckptd.load`.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from .options import CheckpointerOptions
 from .request import SaveRequest, SaveResult
 from .save.arena import StagingPool
 from .save.saver import SaveJob, Saver
+from .stats import StatsSummary
 from .storage import in_process_only, is_local, local_path, normalize_location, storage_for
 from .storage.cleanup import Cleanup
 from .writer.client import InProcessWriter, WriterClient
@@ -301,6 +305,10 @@ class Checkpointer:
                 with self._pending_lock:
                     if job.request in self._pending:
                         self._pending.remove(job.request)
+
+    def stats(self) -> StatsSummary:
+        """Totals over this Checkpointer's finished saves (timings, bytes, retries: :mod:`ckptd.stats`)."""
+        return self._saver.stats.summary()
 
     # ---- loading ---------------------------------------------------------------------------
 

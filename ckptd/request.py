@@ -15,14 +15,22 @@ __all__ = ["SaveRequest", "SaveResult"]
 @dataclass(frozen=True)
 class SaveResult:
     """A committed checkpoint: where it is, the bytes this save wrote (``bytes_reused`` more
-    are referenced from earlier checkpoints by an incremental save), and how long each phase
-    took (seconds)."""
+    are referenced from earlier checkpoints by an incremental save), how long each phase took
+    (seconds: ``plan``, ``wait``, ``stage``, ``blocking``, ``write``, ``commit``, ``total``) and
+    how many object-store requests were retried (``retries``)."""
 
     step: int | None
     path: str
     bytes_written: int
     timings: dict[str, float] = field(default_factory=dict)
     bytes_reused: int = 0
+    retries: int = 0
+
+    @property
+    def throughput(self) -> float:
+        """Bytes written per second of the ``write`` phase (0.0 when nothing was timed)."""
+        seconds = self.timings.get("write", 0.0)
+        return self.bytes_written / seconds if seconds > 0 else 0.0
 
 
 class SaveRequest:

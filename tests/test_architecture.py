@@ -14,7 +14,7 @@ PACKAGE = pathlib.Path(ckptd.__file__).parent
 LAYERS: list[tuple[str, ...]] = [
     ("ckptd.errors", "ckptd._version"),
     ("ckptd.storage",),
-    ("ckptd.options", "ckptd.request"),
+    ("ckptd.options", "ckptd.request", "ckptd.stats"),
     ("ckptd.formats", "ckptd.dist", "ckptd.writer"),
     ("ckptd.catalog",),
     ("ckptd.save", "ckptd.load"),

@@ -28,8 +28,10 @@ from ..formats.manifest import FileRecord, Manifest
 from ..formats.names import MANIFEST_NAME
 from ..options import CheckpointerOptions
 from ..request import SaveRequest, SaveResult
+from ..stats import new_recorder
 from ..storage import Storage
 from ..storage.cleanup import Cleanup
+from ..storage.retry import retries_of
 from ..writer.client import InProcessWriter, WriterClient
 from ..writer.protocol import FileResult, FileSpec, FilesWritten
 from .arena import StageHandle, StagingArena, StagingPool, StepGuard
@@ -51,6 +53,7 @@ class _Progress:
 
     owns_destination: bool = False  # we created the staging dir / won the object-store claim
     released: bool = False  # the arena went back to the pool (exactly once)
+    retries: int = 0  # object-store requests retried (the writer's and this process's)
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,7 @@ class Saver:
         self._plan: SavePlan | None = None  # the last plan: the next save of the same layout reuses it
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-stage")
         self.guard = StepGuard()
+        self.stats = new_recorder(root, self.rank)  # every finished save (read by Checkpointer.stats)
 
     def close(self) -> None:
         """Stop the staging thread (after the copies in flight) and remove the step guard."""
@@ -226,8 +230,29 @@ class Saver:
     # ---- completion thread -------------------------------------------------------------------
 
     def complete(self, job: SaveJob) -> SaveResult:
-        """Write this rank's pieces and take part in the commit; raises on any rank's failure."""
+        """Write this rank's pieces and take part in the commit; raises on any rank's failure.
+        Either way the save is recorded in :attr:`stats` before this returns."""
+        try:
+            result = self._complete(job)
+        except BaseException as e:
+            timings = {**job.request.timings, "total": time.perf_counter() - job.started}
+            self.stats.record_failure(
+                job.request.step, job.request.path, e, timings=timings, retries=job.progress.retries
+            )
+            raise
+        self.stats.record_result(result)
+        return result
+
+    def _complete(self, job: SaveJob) -> SaveResult:
         timings = dict(job.request.timings)
+        retries_before = retries_of(self.storage)  # claim/commit requests made in this process
+
+        def count_retries() -> None:
+            nonlocal retries_before
+            now = retries_of(self.storage)
+            job.progress.retries += now - retries_before
+            retries_before = now
+
         round_ = Round(job.key, job.request.step, time.monotonic())
         coordinator = self.coordinator
         try:
@@ -245,8 +270,10 @@ class Saver:
                 commit=lambda results: self._commit(job, results, timings),
                 abort=lambda: self._discard(job),
             )
+            count_retries()
             return self._finish(job, outcome)
         finally:
+            count_retries()
             self.incremental.release(job.reuse)
 
     def _prepare(self, job: SaveJob) -> None:
@@ -299,6 +326,7 @@ class Saver:
             timings["write"] = time.perf_counter() - started
         if not isinstance(written, FilesWritten):
             raise WriterError(f"unexpected writer answer {written!r}")
+        job.progress.retries += written.retries
         return list(written.results)
 
     def _release(self, job: SaveJob) -> None:
@@ -349,7 +377,14 @@ class Saver:
             bytes_reused = sum(f.size for f in manifest.files.values() if f.checkpoint is not None)
         self.incremental.committed(job.request.path, manifest)
         job.request.timings["total"] = time.perf_counter() - job.started
-        return SaveResult(job.request.step, job.request.path, bytes_written, dict(job.request.timings), bytes_reused)
+        return SaveResult(
+            job.request.step,
+            job.request.path,
+            bytes_written,
+            dict(job.request.timings),
+            bytes_reused,
+            job.progress.retries,
+        )
 
 
 def _mark_staged(handle: StageHandle, request: SaveRequest) -> None:

@@ -3,6 +3,9 @@
 Transient: HTTP 408/429/500/502/503/504, ``SlowDown``/``RequestTimeout``/``InternalError``-style
 codes, resets, refused or dropped connections and timeouts.  Everything else (403, 404, bad
 request, bad credentials) is permanent and fails at once.
+
+Each storage object that retries owns a :class:`RetryCounter` (``storage.retry_counter``) that
+counts the retries it made; :func:`retries_of` reads it (0 for backends that never retry).
 """
 
 from __future__ import annotations
@@ -11,12 +14,13 @@ import asyncio
 import errno as errno_codes
 import logging
 import random
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from .base import StorageTuning
 
-__all__ = ["error_code", "http_status", "is_transient", "retry_async"]
+__all__ = ["RetryCounter", "error_code", "http_status", "is_transient", "retries_of", "retry_async"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +68,30 @@ _TRANSIENT_NAMES = {
     "FSTimeoutError",
     "IncompleteRead",
 }
+
+
+class RetryCounter:
+    """A thread-safe count of the retries one storage object made (pass it as ``on_retry``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def __call__(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._count += 1
+
+    @property
+    def value(self) -> int:
+        """Retries counted so far."""
+        with self._lock:
+            return self._count
+
+
+def retries_of(storage: object) -> int:
+    """The retries ``storage`` made so far (0 for a backend without a :class:`RetryCounter`)."""
+    counter = getattr(storage, "retry_counter", None)
+    return counter.value if isinstance(counter, RetryCounter) else 0
 
 
 def http_status(error: BaseException) -> int | None:

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from ..errors import CheckpointExistsError, StorageError
 from .base import Stopped, StorageTuning, missing_file
 from .remote import FsspecStorage
-from .retry import error_code, http_status, is_transient, retry_async
+from .retry import RetryCounter, error_code, http_status, is_transient, retry_async
 
 __all__ = ["S3Storage", "s3_error"]
 
@@ -60,6 +60,7 @@ class S3Storage(FsspecStorage):
     ) -> None:
         super().__init__(url, storage_options, tuning)
         self._parts_in_flight: asyncio.Semaphore | None = None
+        self.retry_counter = RetryCounter()  # every retry this storage object made
 
     def _make_filesystem(self, options: dict[str, Any]) -> Any:
         config = dict(options.get("config_kwargs") or {})
@@ -97,7 +98,7 @@ class S3Storage(FsspecStorage):
             return await getattr(client, method)(**kwargs)
 
         try:
-            return await retry_async(attempt, f"{what} {url}", self.tuning)
+            return await retry_async(attempt, f"{what} {url}", self.tuning, on_retry=self.retry_counter)
         except (Stopped, asyncio.CancelledError):
             raise
         except Exception as e:
@@ -259,7 +260,7 @@ class S3Storage(FsspecStorage):
 
             async with limit:
                 try:
-                    return await retry_async(attempt, f"read {url}", self.tuning)
+                    return await retry_async(attempt, f"read {url}", self.tuning, on_retry=self.retry_counter)
                 except Exception as e:
                     raise s3_error(f"read bytes {start}-{end} of", url, e, self.tuning.retry_attempts) from e
 

@@ -154,6 +154,7 @@ class FilesWritten(Message):
     request_id: int
     results: list[FileResult]
     seconds: float
+    retries: int = 0  # object-store requests the writer retried for these files
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 from ..formats.checksum import crc32c_of_view
 from ..storage import Storage, StorageTuning, storage_for
+from ..storage.retry import retries_of
 from .protocol import FileResult, FileSpec, FilesWritten, WriteFiles
 
 __all__ = ["write_files"]
@@ -48,7 +49,7 @@ def write_files(
                 raise
     else:
         results = [write_one(spec) for spec in request.files]
-    return FilesWritten(request.request_id, results, time.perf_counter() - started)
+    return FilesWritten(request.request_id, results, time.perf_counter() - started, retries_of(storage))
 
 
 def _write_file(
