@@ -17,6 +17,7 @@ import ckptd
 import ckptd.storage.local as local
 from ckptd.catalog import collect_garbage, leftover_name, list_checkpoints, remove_checkpoint
 from ckptd.errors import CheckpointExistsError
+from ckptd.formats.names import host_label as _host
 from ckptd.storage.local import LocalStorage, exchange_paths
 
 
@@ -69,8 +70,8 @@ def test_overwrite_replaces_the_step_and_leaves_nothing(root: str, exchange: boo
         ckpt.save(1, _state(1.0))
         ckpt.save(1, _state(2.0), overwrite=True)
         assert ckpt.steps() == [1]
-    assert_same(_read(os.path.join(root, "checkpoint-000001")), _state(2.0))
-    assert os.listdir(root) == ["checkpoint-000001"]
+    assert_same(_read(os.path.join(root, "checkpoint-1")), _state(2.0))
+    assert os.listdir(root) == ["checkpoint-1"]
 
 
 def test_a_manifestless_step_directory_is_garbage_to_a_save(root: str) -> None:
@@ -83,7 +84,7 @@ def test_a_manifestless_step_directory_is_garbage_to_a_save(root: str) -> None:
         assert ckpt.steps() == [5]
         with pytest.raises(CheckpointExistsError):
             ckpt.save(5, _state(4.0))  # a committed step still is refused
-    assert_same(_read(os.path.join(root, "checkpoint-000005")), _state(3.0))
+    assert_same(_read(os.path.join(root, "checkpoint-5")), _state(3.0))
     assert _hidden(root) == []
 
 
@@ -91,9 +92,9 @@ def test_remove_checkpoint_renames_aside_then_deletes(root: str) -> None:
     with ckptd.Checkpointer(root) as ckpt:
         ckpt.save(1, _state(1.0))
         ckpt.save(2, _state(2.0))
-    remove_checkpoint(LocalStorage(), os.path.join(root, "checkpoint-000001"))
-    remove_checkpoint(LocalStorage(), os.path.join(root, "checkpoint-000001"))  # already gone: fine
-    assert os.listdir(root) == ["checkpoint-000002"]
+    remove_checkpoint(LocalStorage(), os.path.join(root, "checkpoint-1"))
+    remove_checkpoint(LocalStorage(), os.path.join(root, "checkpoint-1"))  # already gone: fine
+    assert os.listdir(root) == ["checkpoint-2"]
 
 
 def _move(path: str, name: str) -> str:
@@ -109,18 +110,18 @@ def test_gc_restores_a_replaced_step_and_publishes_a_committed_staging_directory
             ckpt.save(step, _state(float(step)))
     dead = _dead_pid()
     # An overwrite by an older version crashed between its renames (no owner in the name).
-    _move(os.path.join(root, "checkpoint-000001"), ".checkpoint-000001.replaced-0a1b2c3d")
+    _move(os.path.join(root, "checkpoint-1"), ".checkpoint-1.replaced-0a1b2c3d")
     # A save crashed after its manifest, before its rename: the staging directory is complete.
-    _move(os.path.join(root, "checkpoint-000002"), f".checkpoint-000002.tmp-{_host()}-{dead}-0a1b2c3d")
+    _move(os.path.join(root, "checkpoint-2"), f".checkpoint-2.tmp-{_host()}-{dead}-0a1b2c3d")
     # The same, but a shard is missing: not a checkpoint, removed.
-    staging3 = _move(os.path.join(root, "checkpoint-000003"), f".checkpoint-000003.tmp-{_host()}-{dead}-0a1b2c3e")
+    staging3 = _move(os.path.join(root, "checkpoint-3"), f".checkpoint-3.tmp-{_host()}-{dead}-0a1b2c3e")
     shard = next(n for n in os.listdir(staging3) if n.endswith(".safetensors"))
     os.unlink(os.path.join(staging3, shard))
     removed = collect_garbage(storage, root)
     assert [info.step for info in list_checkpoints(storage, root)] == [1, 2]
     assert removed == [staging3]
     for step in (1, 2):
-        assert_same(_read(os.path.join(root, f"checkpoint-00000{step}")), _state(float(step)))
+        assert_same(_read(os.path.join(root, f"checkpoint-{step}")), _state(float(step)))
     assert _hidden(root) == []
 
 
@@ -133,10 +134,10 @@ def test_gc_prefers_the_new_copy_and_never_deletes_a_committed_staging_directory
         ckpt.save(1, _state(1.0), overwrite=True)  # the old one
     dead = _dead_pid()
     # The overwrite crashed between its two renames: old aside, new (committed) in staging.
-    _move(os.path.join(root, "checkpoint-000001"), f".checkpoint-000001.replaced-{_host()}-{dead}-00000001")
-    _move(new, f".checkpoint-000001.tmp-{_host()}-{dead}-00000002")
+    _move(os.path.join(root, "checkpoint-1"), f".checkpoint-1.replaced-{_host()}-{dead}-00000001")
+    _move(new, f".checkpoint-1.tmp-{_host()}-{dead}-00000002")
     collect_garbage(storage, root)
-    assert_same(_read(os.path.join(root, "checkpoint-000001")), _state(9.0))
+    assert_same(_read(os.path.join(root, "checkpoint-1")), _state(9.0))
     assert _hidden(root) == []
 
 
@@ -145,12 +146,12 @@ def test_gc_removes_every_leftover_kind_but_not_a_live_owners(root: str) -> None
     with ckptd.Checkpointer(root) as ckpt:
         ckpt.save(1, _state(1.0))
     dead = _dead_pid()
-    kept = os.path.join(root, leftover_name("checkpoint-000002", "tmp"))  # this process: alive
+    kept = os.path.join(root, leftover_name("checkpoint-2", "tmp"))  # this process: alive
     os.mkdir(kept)
     leftovers = [
-        f".checkpoint-000001.replaced-{_host()}-{dead}-0000000a",  # checkpoint-000001 exists: old copy
-        f".checkpoint-000001.deleting-{_host()}-{dead}-0000000b",  # half-deleted
-        f".checkpoint-000001.deleting-{_host()}-{os.getpid()}-0000000c",  # the owner may still be deleting
+        f".checkpoint-1.replaced-{_host()}-{dead}-0000000a",  # checkpoint-1 exists: old copy
+        f".checkpoint-1.deleting-{_host()}-{dead}-0000000b",  # half-deleted
+        f".checkpoint-1.deleting-{_host()}-{os.getpid()}-0000000c",  # the owner may still be deleting
         f".consolidated.tmp-{_host()}-{dead}-0000000d",  # consolidation's staging directory
         ".model.safetensors.tmp-0000000e",  # a write_stream temporary of an older version
     ]
@@ -166,8 +167,3 @@ def test_gc_removes_every_leftover_kind_but_not_a_live_owners(root: str) -> None
     assert _hidden(root) == sorted([os.path.basename(kept), leftovers[2]])
     assert [info.step for info in list_checkpoints(storage, root)] == [1]
 
-
-def _host() -> str:
-    from ckptd.catalog import _host as host
-
-    return host()

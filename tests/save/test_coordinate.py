@@ -75,9 +75,9 @@ def test_solo_aborts_when_the_commit_fails():
     aborted: list[bool] = []
 
     def commit(results):
-        raise CheckpointExistsError("checkpoint-000003 already exists")
+        raise CheckpointExistsError("checkpoint-3 already exists")
 
-    with pytest.raises(CheckpointExistsError, match="000003"):
+    with pytest.raises(CheckpointExistsError, match="checkpoint-3 already exists"):
         coordinator.outcome(Round("k", 3, time.monotonic()), Report(), commit, lambda: aborted.append(True))
     assert aborted == [True]
 
@@ -97,7 +97,7 @@ def test_solo_refuses_to_overwrite_a_referenced_checkpoint_and_writes_nothing(ro
     with ckptd.Checkpointer(root, incremental=True) as ckpt:
         ckpt.save(1, {"model": model})
         ckpt.save(2, {"model": model})
-        with pytest.raises(ReferencedCheckpointError, match="checkpoint-000002"):
+        with pytest.raises(ReferencedCheckpointError, match="checkpoint-2"):
             ckpt.save(1, {"model": model}, overwrite=True)
         assert not [n for n in os.listdir(root) if n.startswith(".")], "no staging directory left behind"
         assert_same(model.state_dict(), ckpt.load(1, verify=True)["model"])
@@ -193,7 +193,7 @@ def test_store_coordinator_prepare_failure_reaches_the_other_rank_and_keeps_its_
     round_ = Round("save3", 7, time.monotonic())
     other = run_other_rank(one, round_, Report())
     coordinator = StoreCoordinator(zero)
-    exists = CheckpointExistsError("checkpoint-000007 already exists; pass overwrite=True")
+    exists = CheckpointExistsError("checkpoint-7 already exists; pass overwrite=True")
     report = Report()
 
     def make_destination() -> None:
@@ -246,25 +246,25 @@ def test_policy_reuses_frozen_files_of_the_agreed_last_save(root):
     policy, plan, first, second = saved_twice(root, True)
     frozen = {f.file_name for f in plan.files if f.frozen}
     assert frozen and all(plan_file_frozen(plan, name) for name in frozen)
-    reuse = policy.select(plan, os.path.join(root, "checkpoint-000003"), [first, first])
+    reuse = policy.select(plan, os.path.join(root, "checkpoint-3"), [first, first])
     assert set(reuse.reused) == frozen
-    assert {r.checkpoint for r in reuse.reused.values()} == {"checkpoint-000001"}
+    assert {r.checkpoint for r in reuse.reused.values()} == {"checkpoint-1"}
     assert reuse.reused == {n: f for n, f in read_manifest(LocalStorage(), second).files.items() if f.checkpoint}
     assert reuse.hashed == {}, "only hash mode rewrites-unless-unchanged"
-    assert reuse.holders == {"checkpoint-000001"}
+    assert reuse.holders == {"checkpoint-1"}
 
 
 def test_policy_reuses_nothing_without_agreement_or_over_its_own_holder(root):
     policy, plan, first, _ = saved_twice(root, True)
-    elsewhere = os.path.join(root, "checkpoint-000003")
+    elsewhere = os.path.join(root, "checkpoint-3")
     assert policy.select(plan, elsewhere, [first, None]).reused == {}, "a rank has not seen the commit"
-    assert policy.select(plan, elsewhere, [first, os.path.join(root, "checkpoint-000000")]).reused == {}
+    assert policy.select(plan, elsewhere, [first, os.path.join(root, "checkpoint-0")]).reused == {}
     assert policy.select(plan, first, [first]).reused == {}, "overwriting the checkpoint that holds the files"
 
 
 def test_policy_hash_mode_offers_the_unchanged_layout_of_trainable_files(root):
     policy, plan, first, _ = saved_twice(root, "hash")
-    reuse = policy.select(plan, os.path.join(root, "checkpoint-000003"), [first])
+    reuse = policy.select(plan, os.path.join(root, "checkpoint-3"), [first])
     trainable = {f.file_name for f in plan.files if not f.frozen}
     assert set(reuse.hashed) == trainable and not set(reuse.hashed) & set(reuse.reused)
     assert reuse.reused, "frozen files are still referenced without a checksum"
@@ -279,7 +279,7 @@ def test_policy_off_reuses_nothing(root):
 
 def test_policy_protects_holders_until_every_queued_save_releases_them(root):
     policy, plan, first, _ = saved_twice(root, True)
-    target = os.path.join(root, "checkpoint-000003")
+    target = os.path.join(root, "checkpoint-3")
     one = policy.select(plan, target, [first])
     two = policy.select(plan, target, [first])
     assert policy.protected() == {first}
@@ -291,7 +291,7 @@ def test_policy_protects_holders_until_every_queued_save_releases_them(root):
 
 def test_policy_refuses_to_overwrite_a_referenced_checkpoint(root):
     policy, _, first, second = saved_twice(root, True)
-    with pytest.raises(ReferencedCheckpointError, match="checkpoint-000002") as caught:
+    with pytest.raises(ReferencedCheckpointError, match="checkpoint-2") as caught:
         policy.refuse_overwriting_referenced(first)
     assert "consolidate" in str(caught.value) and isinstance(caught.value, PermissionError)
     policy.refuse_overwriting_referenced(second)  # nothing references the newest one
@@ -302,5 +302,5 @@ def test_policy_remembers_the_last_commit_and_reads_its_manifest_when_not_given(
     assert policy.last_path == first
     policy.committed(second, None)
     assert policy.last_path == second
-    reuse = policy.select(plan, os.path.join(root, "checkpoint-000003"), [second])
-    assert {r.checkpoint for r in reuse.reused.values()} == {"checkpoint-000001"}, "the original holder, not 2"
+    reuse = policy.select(plan, os.path.join(root, "checkpoint-3"), [second])
+    assert {r.checkpoint for r in reuse.reused.values()} == {"checkpoint-1"}, "the original holder, not 2"
