@@ -5,6 +5,11 @@ The writer runs as its own small program (``python -m ckptd.writer.process``), n
 messages travel over a Unix socket pair; staging arenas are passed as file descriptors.  A reader
 thread routes responses to per-request futures; if the writer dies, every pending request fails
 with :class:`~ckptd.errors.WriterError` carrying the exit status and the tail of its stderr.
+
+Two locks: ``_lock`` serialises starting the writer and handing it arenas (held while waiting
+for the writer's answers), ``_io_lock`` guards only the socket and the table of pending requests
+and is never held while waiting, so the reader thread can always fail the requests of a writer
+that died, whoever holds ``_lock``.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class WriterClient:
         self.ionice = ionice
         self.label = label
         self._lock = threading.RLock()
+        self._io_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._pending: dict[int, Future[Message]] = {}
         self._arenas: dict[int, SharedSegment] = {}
@@ -148,9 +154,10 @@ class WriterClient:
             child_sock.close()
         self._process = process
         self._attached = set()
-        self._channel = Channel(parent_sock)
-        self._pending = {}  # this writer's requests: a dead predecessor's reader must not fail them
         self._hello = Future()
+        with self._io_lock:
+            self._channel = Channel(parent_sock)
+            self._pending = {}  # this writer's requests: a dead predecessor's reader must not fail them
         self._stderr_tail.clear()
         threading.Thread(
             target=self._read_stderr, args=(process.stderr,), name="ckptd-writer-stderr", daemon=True
@@ -201,9 +208,10 @@ class WriterClient:
             self._process.kill()
 
     def _reap(self, timeout: float = 5.0) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        with self._io_lock:
+            channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
         if self._process is not None:
             try:
                 self._process.wait(timeout=timeout)
@@ -226,14 +234,16 @@ class WriterClient:
         request_id = getattr(message, "request_id", None)
         if request_id is None:
             raise WriterError(f"cannot send {type(message).__name__} as a request")
-        channel = self._channel
-        if channel is None:
-            raise WriterError("the ckptd writer is not running")
-        self._pending[request_id] = future
+        with self._io_lock:
+            channel = self._channel
+            if channel is None:
+                raise WriterError(f"the ckptd writer is not running ({self._exit_words()}){self._stderr_suffix()}")
+            pending = self._pending
+            pending[request_id] = future
         try:
             channel.send(message, fds)
         except OSError as e:
-            self._pending.pop(request_id, None)
+            pending.pop(request_id, None)
             raise WriterError(f"cannot reach the ckptd writer ({self._exit_words()}){self._stderr_suffix()}") from e
         return future
 
@@ -244,9 +254,17 @@ class WriterClient:
             self._arenas[arena_id] = segment
 
     def _attach(self, arena_id: int, segment: SharedSegment) -> None:
-        response = self._request(AttachArena(self._next_id(), arena_id, segment.size), (segment.fd,)).result(
-            timeout=self.start_timeout
-        )
+        # If the writer dies meanwhile, the reader thread fails this future at once (it does not
+        # need _lock, which we hold); the timeout only bounds a writer that is alive but stuck.
+        future = self._request(AttachArena(self._next_id(), arena_id, segment.size), (segment.fd,))
+        try:
+            response = future.result(timeout=self.start_timeout)
+        except TimeoutError:
+            raise WriterError(
+                f"the ckptd writer (pid {self.pid}, {self._exit_words()}) did not map staging arena {arena_id} "
+                f"({segment.size} bytes) within {self.start_timeout:.0f}s; is it stopped or swapping? "
+                f"(writer_start_timeout sets this bound){self._stderr_suffix()}"
+            ) from None
         _raise_if_failed(response)
         self._attached.add(arena_id)
 
@@ -287,8 +305,7 @@ class WriterClient:
         self._check_owner()
         if not self.alive():
             raise WriterError(f"the ckptd writer is not running ({self._exit_words()}){self._stderr_suffix()}")
-        with self._lock:
-            future = self._request(Ping(self._next_id()))
+        future = self._request(Ping(self._next_id()))  # not under _lock: an attach may hold it
         try:
             response = future.result(timeout=timeout)
         except TimeoutError:
@@ -329,6 +346,8 @@ class WriterClient:
                         future.set_result(message)
         except (ChannelClosed, OSError):
             pass
+        # The socket closed: the writer exited or is exiting.  Wait for its exit status (at once
+        # for a killed writer) so the error can name it; never take _lock here.
         try:
             process.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -338,12 +357,12 @@ class WriterClient:
         )
         if hello is not None and not hello.done():
             hello.set_exception(error)
-        with self._lock:
+        with self._io_lock:
             if self._channel is channel:
                 self._channel = None
-            pending = list(pending_requests.items())
+            pending = list(pending_requests.values())
             pending_requests.clear()
-        for _, future in pending:
+        for future in pending:
             if not future.done():
                 future.set_exception(error)
 
