@@ -23,11 +23,13 @@ import socket
 import subprocess
 import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import IO
 
 from ..errors import StorageError, WriterError
 from . import protocol
+from .inprocess import InProcessWriter
+from .owner import check_process, reset_in_fork_child
 from .protocol import (
     AttachArena,
     Channel,
@@ -42,9 +44,8 @@ from .protocol import (
     WriteFiles,
 )
 from .shm import SharedSegment
-from .stream import write_files
 
-__all__ = ["InProcessWriter", "WriterClient", "describe_exit"]
+__all__ = ["InProcessWriter", "WriterClient", "describe_exit"]  # InProcessWriter: re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class WriterClient:
         self._owner_pid = os.getpid()
         self.restarts = -1
         self.info: Hello | None = None
+        reset_in_fork_child(self)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -220,9 +222,27 @@ class WriterClient:
                 self._process.wait()
             self._process = None
 
+    def forget_after_fork(self) -> None:
+        """In a child created by ``fork()``: drop what belongs to the parent's writer.
+
+        Fresh locks (a parent thread may have held them at the fork; it does not exist here), no
+        pending requests, and the child's copy of the socket closed (never shut down: the parent
+        still talks through it), so the writer sees EOF when the parent dies even while the child
+        lives.  The writer itself is left alone: it is the parent's.
+        """
+        self._lock = threading.RLock()
+        self._io_lock = threading.Lock()
+        self._arenas_lock = threading.Lock()
+        self._pending = {}
+        self._arenas = {}
+        self._detach_later = set()
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
+        self._process = None
+
     def _check_owner(self) -> None:
-        if os.getpid() != self._owner_pid:
-            raise WriterError("this Checkpointer belongs to another process (it was inherited through fork)")
+        check_process(self._owner_pid, "Checkpointer")
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -385,72 +405,3 @@ def _failure_error(message: Failed) -> Exception:
 def _raise_if_failed(response: Message) -> None:
     if isinstance(response, Failed):
         raise _failure_error(response)
-
-
-class InProcessWriter:
-    """The writer as a thread of the trainer process, for filesystems that exist only in this
-    process (``memory://``).  Same interface as :class:`WriterClient`."""
-
-    def __init__(self) -> None:
-        self._arenas: dict[int, SharedSegment] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-inprocess-writer")
-        self._checksums = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptd-crc")
-        self._busy = False
-        self._bytes_written = 0
-        self._stop = threading.Event()
-        self.restarts = 0
-        self.info = Hello(os.getpid(), protocol.PROTOCOL_VERSION, "", "torch" in sys.modules)
-
-    @property
-    def pid(self) -> int:
-        return os.getpid()
-
-    def alive(self) -> bool:
-        return not self._stop.is_set()
-
-    def ensure_running(self) -> None:
-        if self._stop.is_set():
-            raise WriterError("the in-process writer is closed")
-
-    def attach_arena(self, arena_id: int, segment: SharedSegment) -> None:
-        self._arenas[arena_id] = segment
-
-    def detach_arena(self, arena_id: int) -> None:
-        self._arenas.pop(arena_id, None)
-
-    def write_files(self, **fields: object) -> Future[Message]:
-        self.ensure_running()
-        request = WriteFiles(request_id=0, **fields)  # type: ignore[arg-type]
-        return self._pool.submit(self._write, request)
-
-    def _write(self, request: WriteFiles) -> Message:
-        segment = self._arenas.get(request.arena_id)
-        if segment is None:
-            raise WriterError(
-                f"write request names staging arena {request.arena_id}, which is not attached to the "
-                f"in-process writer (attached: {sorted(self._arenas)})"
-            )
-        view = segment.view()
-        self._busy = True
-        try:
-            return write_files(
-                request, view, checksums=self._checksums, should_stop=self._stop.is_set, on_progress=self._count
-            )
-        finally:
-            self._busy = False
-            view.release()
-
-    def _count(self, written: int) -> None:
-        self._bytes_written += written
-
-    def ping(self, timeout: float = 10.0) -> Pong:
-        return Pong(0, self._busy, self._bytes_written)
-
-    def close(self, timeout: float = 30.0) -> None:
-        self._pool.shutdown(wait=True)
-        self._stop.set()
-        self._checksums.shutdown(wait=False)
-        self._arenas.clear()
-
-    def kill(self) -> None:
-        self._stop.set()
