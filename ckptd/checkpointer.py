@@ -4,19 +4,18 @@
 then hands the save to a background completion thread which asks the writer process to write
 the shards and finalizes the checkpoint.  Saves complete in the order they were made.
 
+It belongs to its process: in a ``fork()`` child saving raises WriterError (:mod:`ckptd.writer.owner`).
 It is longer than 450 lines for its docstrings: the public methods are documented here, where
 users read them; the work is in :mod:`ckptd.save` and :mod:`ckptd.load`.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -44,6 +43,7 @@ from .stats import StatsSummary
 from .storage import in_process_only, is_local, local_path, normalize_location, storage_for
 from .storage.cleanup import Cleanup
 from .writer.client import InProcessWriter, WriterClient
+from .writer.owner import bind_to_process, check_process, unbind
 
 __all__ = ["Checkpointer"]
 
@@ -82,6 +82,7 @@ class Checkpointer:
         process_group: Any = None,
         **overrides: Any,
     ) -> None:
+        self._owner_pid = os.getpid()
         root = os.fspath(root)
         base = options if options is not None else CheckpointerOptions.from_env()
         self.options = base.with_overrides(**overrides).for_location(remote=not is_local(root))
@@ -124,7 +125,7 @@ class Checkpointer:
         self._completer = threading.Thread(target=self._complete_jobs, name="ckptd-commit", daemon=True)
         self._completer.start()
         threading.Thread(target=self._start_writer, name="ckptd-writer-start", daemon=True).start()
-        self._atexit = _register_atexit(self)
+        self._atexit = bind_to_process(self)  # close() at exit; forget_after_fork() in a fork child
 
     # ---- paths and listing -----------------------------------------------------------------
 
@@ -219,6 +220,7 @@ class Checkpointer:
         create-only claim reports it from ``wait()``, keeping a round trip off this call).
         """
         started = time.perf_counter()
+        self._check_process()
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
@@ -273,6 +275,7 @@ class Checkpointer:
         """Plan ``state`` and allocate (and hand to the writer) its staging arena now, so the
         first :meth:`async_save` of that layout only copies.  Call it once at start-up, on every
         rank; returns the arena's size in bytes."""
+        self._check_process()
         self._check_open()
         with self._save_lock:
             return self._saver.prepare(state, sharing=sharing, allow_pickle=self.options.allow_pickle)
@@ -383,6 +386,7 @@ class Checkpointer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every pending save; raises the first failure among them."""
+        self._check_process()
         deadline = None if timeout is None else time.monotonic() + timeout
         for request in self.pending():
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -390,6 +394,7 @@ class Checkpointer:
 
     def health_check(self, timeout: float = 10.0) -> dict[str, Any]:
         """Ping the writer (starting it if needed); returns its pid, state and bytes written."""
+        self._check_process()
         self._check_open()
         self._writer.ensure_running()
         pong = self._writer.ping(timeout)
@@ -412,6 +417,8 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._owner_pid:
+            return  # a fork() child: the parent's saves, writer and arenas are the parent's to finish
         try:
             if wait:
                 for request in self.pending():
@@ -428,7 +435,14 @@ class Checkpointer:
             self._pool.close()
             self._cleanup.drain(self.options.cleanup_timeout if wait else 0.0)
             self._cleanup.close()
-            atexit.unregister(self._atexit)
+            unbind(self._atexit)
+
+    def _check_process(self) -> None:
+        check_process(self._owner_pid, "Checkpointer")
+
+    def forget_after_fork(self) -> None:
+        """In a fork() child (the writer and pool reset themselves): fresh locks, no saves."""
+        self._pending_lock, self._save_lock, self._pending = threading.Lock(), threading.Lock(), []
 
     def _check_open(self) -> None:
         if self._closed:
@@ -442,16 +456,3 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root!r})"
-
-
-def _register_atexit(checkpointer: Checkpointer) -> Any:
-    ref = weakref.ref(checkpointer)
-    owner = os.getpid()
-
-    def finish() -> None:
-        instance = ref()
-        if instance is not None and os.getpid() == owner:
-            instance.close()
-
-    atexit.register(finish)
-    return finish

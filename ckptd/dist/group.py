@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -20,8 +21,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError, DistributedSaveError
 
-__all__ = [
-    "group_leaders","DistContext", "Sharing", "group_leader", "normalize_sharing", "rank_failure"]
+__all__ = ["DistContext", "Sharing", "group_leader", "group_leaders", "normalize_sharing", "rank_failure"]
 
 logger = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ import torch
 from ..errors import WriterError
 from ..formats.torch_dtypes import dtype_from_name
 from ..writer.client import InProcessWriter, WriterClient
+from ..writer.owner import reset_in_fork_child
 from ..writer.shm import SharedSegment
 from .plan import RankPlan
 
@@ -237,6 +238,7 @@ class StagingPool:
         self._next_id = 0
         self._cond = threading.Condition()
         self._closed = False
+        reset_in_fork_child(self)
 
     def acquire(self, plan: RankPlan) -> tuple[StagingArena, float]:
         """A free arena laid out for ``plan``, waiting while all are busy.
@@ -307,6 +309,16 @@ class StagingPool:
                 arena.close()
             self._arenas.clear()
             self._cond.notify_all()
+
+    def forget_after_fork(self) -> None:
+        """In a child created by ``fork()``: a fresh condition (a parent thread may have held it)
+        and no arenas (the parent's are the parent's writer's; the child's mappings are freed)."""
+        self._cond = threading.Condition()
+        self._closed = True
+        for arena in self._arenas:
+            arena.pinned = False  # CUDA is unusable after fork(): the parent unpins its own mapping
+            arena.close()
+        self._arenas.clear()
 
     @property
     def bytes_reserved(self) -> int:

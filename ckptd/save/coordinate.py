@@ -72,7 +72,8 @@ class Coordinator(Protocol):
        the :class:`Outcome`, or raises (a failed rank's own error is the cause).
 
     A rank whose save fails before it reaches the completion thread (planning is done, staging
-    failed) calls :meth:`fail_early` on the caller's thread instead, so nobody waits for it.
+    failed) calls :meth:`fail_early` on the caller's thread instead, so nobody waits for it, and
+    raises the error it returns (the one the other ranks raise, with its own as the cause).
     """
 
     def prepare(self, round_: Round, make_destination: Callable[[], None]) -> None: ...
@@ -87,7 +88,7 @@ class Coordinator(Protocol):
         abort: Callable[[], None],
     ) -> Outcome: ...
 
-    def fail_early(self, key: str, error: BaseException) -> None: ...
+    def fail_early(self, key: str, step: int, error: BaseException) -> BaseException: ...
 
 
 class SoloCoordinator:
@@ -114,8 +115,8 @@ class SoloCoordinator:
             abort()
             raise
 
-    def fail_early(self, key: str, error: BaseException) -> None:
-        return None  # nobody waits for us
+    def fail_early(self, key: str, step: int, error: BaseException) -> BaseException:
+        return error  # nobody waits for us: the caller raises its own error
 
 
 class StoreCoordinator:
@@ -167,13 +168,16 @@ class StoreCoordinator:
             return self._await_outcome(round_, report.error)
         return self._decide(round_, report.error, commit, abort)
 
-    def fail_early(self, key: str, error: BaseException) -> None:
+    def fail_early(self, key: str, step: int, error: BaseException) -> BaseException:
         dist = self.dist
-        report = {"error": f"{type(error).__name__}: {error}", "early": True}
+        cause = f"{type(error).__name__}: {error}"
+        report = {"error": cause, "early": True}
+        failure = rank_failure({dist.rank: cause}, f"save of step {step}")  # what the coordinator says
         dist.post(f"{key}/rank{dist.rank}", report)
         if dist.is_coordinator:
             dist.post(f"{key}/ready", report)
-            dist.post(f"{key}/commit", {"error": f"rank {dist.rank}: {report['error']}", "ranks": [dist.rank]})
+            dist.post(f"{key}/commit", {"error": str(failure), "ranks": [dist.rank]})
+        return failure if isinstance(error, Exception) else error  # KeyboardInterrupt stays itself
 
     # ---- the coordinator's side ---------------------------------------------------------------
 
@@ -203,7 +207,7 @@ class StoreCoordinator:
                 gathered.extend(FileResult(**r) for r in answer["ok"])
         try:
             if failures:
-                raise rank_failure(failures, f"save of step {round_.step}")
+                raise rank_failure(failures, f"save of step {round_.step}") from own_error
             manifest = commit(gathered)
         except BaseException as e:
             abort()

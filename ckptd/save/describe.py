@@ -4,7 +4,9 @@ A rank flattens its state into components (named per rank or per group where the
 pattern asks for it), describes every tensor it holds as a :class:`~ckptd.save.plan.LocalTensor`,
 and sends that :class:`Payload` to every rank with one ``all_gather_object``.  A rank that cannot
 describe its state sends its error in the same collective, so every rank raises instead of
-hanging.
+hanging, and every rank raises the same type: a :class:`~ckptd.errors.DistributedSaveError`
+naming the failed ranks and their causes (on a failed rank, its own exception is the
+``__cause__``), unless all ranks failed alike with a ckptd error, which each rank then raises.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..dist.group import DistContext, Sharing, group_leader, normalize_sharing, rank_failure
-from ..errors import CheckpointExistsError, ConfigError
+from ..errors import CheckpointExistsError, CkptdError, ConfigError
 from ..formats.names import staging_dir_name
 from ..formats.torch_dtypes import dtype_name
 from ..storage import Storage
@@ -117,12 +119,17 @@ class Describer:
         except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here below
             own_error = e
             payload = Payload(self.rank, error=(type(e).__name__, str(e)))
-        payloads = tuple(self.dist.all_gather(payload) if self.dist else [payload])
-        if own_error is not None:
-            raise own_error
+        if self.dist is None:
+            if own_error is not None:
+                raise own_error
+            return (payload,)
+        payloads = tuple(self.dist.all_gather(payload))
         errors = _error_of(payloads)
         if errors:
-            raise _planning_failure(errors)
+            failure = _planning_failure(errors, len(payloads), own_error)
+            if failure is own_error:
+                raise own_error
+            raise failure from own_error
         return payloads
 
 
@@ -154,9 +161,14 @@ def _error_of(payloads: Sequence[Payload]) -> dict[int, tuple[str, str]]:
     return {p.rank: p.error for p in payloads if p.error is not None}
 
 
-def _planning_failure(errors: dict[int, tuple[str, str]]) -> Exception:
+def _planning_failure(
+    errors: dict[int, tuple[str, str]], world_size: int, own_error: BaseException | None
+) -> BaseException:
+    """The error every rank raises (the same type on all: they all see the same payloads)."""
     if len({kind for kind, _ in errors.values()}) == 1:
         kind, message = next(iter(errors.values()))
         if kind == "CheckpointExistsError":
             return CheckpointExistsError(message)
+        if len(errors) == world_size and isinstance(own_error, CkptdError):
+            return own_error  # every rank failed alike (bad arguments everywhere): its own error
     return rank_failure({r: f"{kind}: {message}" for r, (kind, message) in errors.items()}, "planning the save")

@@ -171,8 +171,10 @@ class Saver:
                     raise
         except BaseException as e:
             self.incremental.release(reuse)  # this save will not reference anything
-            self.coordinator.fail_early(key, e)
-            raise
+            failure = self.coordinator.fail_early(key, step, e)
+            if failure is e:
+                raise
+            raise failure from e  # what the other ranks raise too, this rank's error as the cause
         done = time.perf_counter()
         request.timings.update(plan=planned - started, wait=waited, stage=done - staged_at, blocking=done - started)
         if handle is None or handle.done.is_set():

@@ -5,6 +5,11 @@ The writer runs as its own small program (``python -m ckptd.writer.process``), n
 messages travel over a Unix socket pair; staging arenas are passed as file descriptors.  A reader
 thread routes responses to per-request futures; if the writer dies, every pending request fails
 with :class:`~ckptd.errors.WriterError` carrying the exit status and the tail of its stderr.
+
+Two locks: ``_lock`` serialises starting the writer and handing it arenas (held while waiting
+for the writer's answers), ``_io_lock`` guards only the socket and the table of pending requests
+and is never held while waiting, so the reader thread can always fail the requests of a writer
+that died, whoever holds ``_lock``.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ import socket
 import subprocess
 import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import IO
 
 from ..errors import StorageError, WriterError
 from . import protocol
+from .inprocess import InProcessWriter
+from .owner import check_process, reset_in_fork_child
 from .protocol import (
     AttachArena,
     Channel,
@@ -37,9 +44,8 @@ from .protocol import (
     WriteFiles,
 )
 from .shm import SharedSegment
-from .stream import write_files
 
-__all__ = ["InProcessWriter", "WriterClient", "describe_exit"]
+__all__ = ["InProcessWriter", "WriterClient", "describe_exit"]  # InProcessWriter: re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +83,7 @@ class WriterClient:
         self.ionice = ionice
         self.label = label
         self._lock = threading.RLock()
+        self._io_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._pending: dict[int, Future[Message]] = {}
         self._arenas: dict[int, SharedSegment] = {}
@@ -90,6 +97,7 @@ class WriterClient:
         self._owner_pid = os.getpid()
         self.restarts = -1
         self.info: Hello | None = None
+        reset_in_fork_child(self)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -148,9 +156,10 @@ class WriterClient:
             child_sock.close()
         self._process = process
         self._attached = set()
-        self._channel = Channel(parent_sock)
-        self._pending = {}  # this writer's requests: a dead predecessor's reader must not fail them
         self._hello = Future()
+        with self._io_lock:
+            self._channel = Channel(parent_sock)
+            self._pending = {}  # this writer's requests: a dead predecessor's reader must not fail them
         self._stderr_tail.clear()
         threading.Thread(
             target=self._read_stderr, args=(process.stderr,), name="ckptd-writer-stderr", daemon=True
@@ -201,9 +210,10 @@ class WriterClient:
             self._process.kill()
 
     def _reap(self, timeout: float = 5.0) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        with self._io_lock:
+            channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
         if self._process is not None:
             try:
                 self._process.wait(timeout=timeout)
@@ -212,9 +222,27 @@ class WriterClient:
                 self._process.wait()
             self._process = None
 
+    def forget_after_fork(self) -> None:
+        """In a child created by ``fork()``: drop what belongs to the parent's writer.
+
+        Fresh locks (a parent thread may have held them at the fork; it does not exist here), no
+        pending requests, and the child's copy of the socket closed (never shut down: the parent
+        still talks through it), so the writer sees EOF when the parent dies even while the child
+        lives.  The writer itself is left alone: it is the parent's.
+        """
+        self._lock = threading.RLock()
+        self._io_lock = threading.Lock()
+        self._arenas_lock = threading.Lock()
+        self._pending = {}
+        self._arenas = {}
+        self._detach_later = set()
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
+        self._process = None
+
     def _check_owner(self) -> None:
-        if os.getpid() != self._owner_pid:
-            raise WriterError("this Checkpointer belongs to another process (it was inherited through fork)")
+        check_process(self._owner_pid, "Checkpointer")
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -226,14 +254,16 @@ class WriterClient:
         request_id = getattr(message, "request_id", None)
         if request_id is None:
             raise WriterError(f"cannot send {type(message).__name__} as a request")
-        channel = self._channel
-        if channel is None:
-            raise WriterError("the ckptd writer is not running")
-        self._pending[request_id] = future
+        with self._io_lock:
+            channel = self._channel
+            if channel is None:
+                raise WriterError(f"the ckptd writer is not running ({self._exit_words()}){self._stderr_suffix()}")
+            pending = self._pending
+            pending[request_id] = future
         try:
             channel.send(message, fds)
         except OSError as e:
-            self._pending.pop(request_id, None)
+            pending.pop(request_id, None)
             raise WriterError(f"cannot reach the ckptd writer ({self._exit_words()}){self._stderr_suffix()}") from e
         return future
 
@@ -244,9 +274,17 @@ class WriterClient:
             self._arenas[arena_id] = segment
 
     def _attach(self, arena_id: int, segment: SharedSegment) -> None:
-        response = self._request(AttachArena(self._next_id(), arena_id, segment.size), (segment.fd,)).result(
-            timeout=self.start_timeout
-        )
+        # If the writer dies meanwhile, the reader thread fails this future at once (it does not
+        # need _lock, which we hold); the timeout only bounds a writer that is alive but stuck.
+        future = self._request(AttachArena(self._next_id(), arena_id, segment.size), (segment.fd,))
+        try:
+            response = future.result(timeout=self.start_timeout)
+        except TimeoutError:
+            raise WriterError(
+                f"the ckptd writer (pid {self.pid}, {self._exit_words()}) did not map staging arena {arena_id} "
+                f"({segment.size} bytes) within {self.start_timeout:.0f}s; is it stopped or swapping? "
+                f"(writer_start_timeout sets this bound){self._stderr_suffix()}"
+            ) from None
         _raise_if_failed(response)
         self._attached.add(arena_id)
 
@@ -287,8 +325,7 @@ class WriterClient:
         self._check_owner()
         if not self.alive():
             raise WriterError(f"the ckptd writer is not running ({self._exit_words()}){self._stderr_suffix()}")
-        with self._lock:
-            future = self._request(Ping(self._next_id()))
+        future = self._request(Ping(self._next_id()))  # not under _lock: an attach may hold it
         try:
             response = future.result(timeout=timeout)
         except TimeoutError:
@@ -329,6 +366,8 @@ class WriterClient:
                         future.set_result(message)
         except (ChannelClosed, OSError):
             pass
+        # The socket closed: the writer exited or is exiting.  Wait for its exit status (at once
+        # for a killed writer) so the error can name it; never take _lock here.
         try:
             process.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -338,12 +377,12 @@ class WriterClient:
         )
         if hello is not None and not hello.done():
             hello.set_exception(error)
-        with self._lock:
+        with self._io_lock:
             if self._channel is channel:
                 self._channel = None
-            pending = list(pending_requests.items())
+            pending = list(pending_requests.values())
             pending_requests.clear()
-        for _, future in pending:
+        for future in pending:
             if not future.done():
                 future.set_exception(error)
 
@@ -366,72 +405,3 @@ def _failure_error(message: Failed) -> Exception:
 def _raise_if_failed(response: Message) -> None:
     if isinstance(response, Failed):
         raise _failure_error(response)
-
-
-class InProcessWriter:
-    """The writer as a thread of the trainer process, for filesystems that exist only in this
-    process (``memory://``).  Same interface as :class:`WriterClient`."""
-
-    def __init__(self) -> None:
-        self._arenas: dict[int, SharedSegment] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-inprocess-writer")
-        self._checksums = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptd-crc")
-        self._busy = False
-        self._bytes_written = 0
-        self._stop = threading.Event()
-        self.restarts = 0
-        self.info = Hello(os.getpid(), protocol.PROTOCOL_VERSION, "", "torch" in sys.modules)
-
-    @property
-    def pid(self) -> int:
-        return os.getpid()
-
-    def alive(self) -> bool:
-        return not self._stop.is_set()
-
-    def ensure_running(self) -> None:
-        if self._stop.is_set():
-            raise WriterError("the in-process writer is closed")
-
-    def attach_arena(self, arena_id: int, segment: SharedSegment) -> None:
-        self._arenas[arena_id] = segment
-
-    def detach_arena(self, arena_id: int) -> None:
-        self._arenas.pop(arena_id, None)
-
-    def write_files(self, **fields: object) -> Future[Message]:
-        self.ensure_running()
-        request = WriteFiles(request_id=0, **fields)  # type: ignore[arg-type]
-        return self._pool.submit(self._write, request)
-
-    def _write(self, request: WriteFiles) -> Message:
-        segment = self._arenas.get(request.arena_id)
-        if segment is None:
-            raise WriterError(
-                f"write request names staging arena {request.arena_id}, which is not attached to the "
-                f"in-process writer (attached: {sorted(self._arenas)})"
-            )
-        view = segment.view()
-        self._busy = True
-        try:
-            return write_files(
-                request, view, checksums=self._checksums, should_stop=self._stop.is_set, on_progress=self._count
-            )
-        finally:
-            self._busy = False
-            view.release()
-
-    def _count(self, written: int) -> None:
-        self._bytes_written += written
-
-    def ping(self, timeout: float = 10.0) -> Pong:
-        return Pong(0, self._busy, self._bytes_written)
-
-    def close(self, timeout: float = 30.0) -> None:
-        self._pool.shutdown(wait=True)
-        self._stop.set()
-        self._checksums.shutdown(wait=False)
-        self._arenas.clear()
-
-    def kill(self) -> None:
-        self._stop.set()

@@ -314,9 +314,11 @@ def fail_staging_on_rank_two(rank: int, world: int, root: str) -> dict[str, obje
     state = {"w": torch.ones(4) * rank if rank != 2 else torch.ones(4).as_subclass(ExplodingTensor)}
     with ckptd.Checkpointer(root, dist_timeout=30) as ckpt:
         if rank == 2:
-            with pytest.raises(RuntimeError, match="cannot copy"):
+            # The failing rank raises what the others raise; its own error is the cause.
+            with pytest.raises(DistributedSaveError, match=r"rank\(s\) \[2\].*RuntimeError: cannot copy") as info:
                 ckpt.async_save(1, {"model": {"shared": torch.zeros(3)}, "mine": state}, sharing={"mine": "per_rank"})
-            return {"ranks": [2]}
+            assert isinstance(info.value.__cause__, RuntimeError) and "cannot copy" in str(info.value.__cause__)
+            return {"ranks": info.value.ranks}
         request = ckpt.async_save(1, {"model": {"shared": torch.zeros(3)}, "mine": state}, sharing={"mine": "per_rank"})
         with pytest.raises(DistributedSaveError, match="cannot copy") as info:
             request.wait(60)
