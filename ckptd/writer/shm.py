@@ -49,8 +49,9 @@ class SharedSegment:
                 reason = os.strerror(e.errno) if e.errno else str(e)
                 raise StorageError(
                     e.errno or 0,
-                    f"cannot reserve {size} bytes of shared memory ({label}) for a staging arena: {reason}; "
-                    "free memory or /dev/shm, raise the file-size limit (ulimit -f), or lower max_in_flight",
+                    f"cannot reserve {size} bytes of shared memory ({label}) for a staging arena: {reason}"
+                    f"{_file_size_limit()}; free memory or /dev/shm, raise the file-size limit (ulimit -f), "
+                    "or lower max_in_flight",
                 ) from e
             return cls(fd, size, populate=populate)
         except BaseException:
@@ -101,3 +102,14 @@ def _create_fd(label: str) -> int:
     fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
     _posixshmem.shm_unlink(name)
     return fd
+
+
+def _file_size_limit() -> str:
+    """`` (file-size limit N bytes)`` when RLIMIT_FSIZE is set, else nothing."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    except (ImportError, OSError, ValueError):
+        return ""
+    return "" if soft == resource.RLIM_INFINITY else f" (file-size limit {soft} bytes)"

@@ -47,6 +47,7 @@ def test_memfd_that_cannot_grow_is_a_storage_error_naming_the_size():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"StorageError {errno.EFBIG} "), result.stdout
     assert f"cannot reserve {64 << 20} bytes of shared memory" in result.stdout
+    assert f"(file-size limit {1 << 20} bytes)" in result.stdout
     assert "ulimit -f" in result.stdout
 
 
