@@ -71,6 +71,6 @@ echo "== second run: resumes from the latest checkpoint, steps ..$((2 * STEPS))"
 
 echo "== ckptd ls / verify"
 "$PYTHON" -m ckptd ls "${CKPTD_CHECKPOINT_URL}" --storage-options "${CKPTD_STORAGE_OPTIONS}"
-"$PYTHON" -m ckptd verify "${CKPTD_CHECKPOINT_URL}/checkpoint-$(printf '%06d' "$((2 * STEPS))")" \
+"$PYTHON" -m ckptd verify "${CKPTD_CHECKPOINT_URL}/checkpoint-$((2 * STEPS))" \
     --storage-options "${CKPTD_STORAGE_OPTIONS}"
 echo "== done"

@@ -73,7 +73,7 @@ def test_write_stream_fsyncs_the_file_and_then_its_directory(tmp_path: Any) -> N
     with ckptd.Checkpointer(root) as ckpt:
         path = ckpt.save(1, state_for(1)).path
     calls = _recorded(tmp_path, "metrics", {"path": path})  # save_checkpoint_metrics -> write_stream
-    renamed, temporary = _rename(calls, os.path.join(path, "metrics.json"))
+    renamed, temporary = _rename(calls, os.path.join(path, "eval_metrics.json"))
     assert _first(calls, "fsync", temporary) < renamed, "the temporary file was not fsynced before its rename"
     _first(calls, "fsync", path, after=renamed)
 
