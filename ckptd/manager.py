@@ -26,6 +26,7 @@ from typing import Any
 from .catalog import CheckpointInfo, list_checkpoints, remove_checkpoint
 from .checkpointer import Checkpointer
 from .errors import CheckpointNotFoundError, ConfigError
+from .formats.json_files import parse_json, read_small_file
 from .request import SaveRequest
 
 __all__ = ["PRESERVED_NAME", "CheckpointManager", "CheckpointPolicy", "select_kept"]
@@ -346,12 +347,13 @@ class CheckpointManager:
         return sorted(self._preserved | self.policy.preserve)
 
     def _read_preserved(self) -> list[int]:
+        path = self._storage.join(self.root, PRESERVED_NAME)
         try:
-            data = self._storage.read_bytes(self._storage.join(self.root, PRESERVED_NAME))
+            data = read_small_file(self._storage, path)
         except (FileNotFoundError, OSError):
             return []
         try:
-            return [int(s) for s in json.loads(data)]
+            return [int(s) for s in parse_json(data, path, "list of preserved steps")]
         except (ValueError, TypeError) as e:
             raise ConfigError(
                 f"{self._storage.join(self.root, PRESERVED_NAME)} is not a JSON list of steps; fix or remove it"

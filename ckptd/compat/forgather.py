@@ -33,6 +33,7 @@ from ..errors import (
     CorruptCheckpointError,
     KeyMismatchError,
 )
+from ..formats.json_files import read_small_json
 from ..formats.manifest import ComponentRecord, FileRecord, Manifest, TensorRecord, utc_now
 from ..formats.names import (
     LEGACY_METRICS_NAME,
@@ -261,7 +262,7 @@ def load_shard_index(output_dir: str, index_name: str) -> ShardIndex:
     storage, directory = _location(output_dir)
     path = storage.join(directory, check_file_name(index_name, directory))
     try:
-        index = json.loads(storage.read_bytes(path))
+        index = read_small_json(storage, path, what="shard index")
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(f"{path}: cannot read shard index ({e})") from e
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
@@ -502,7 +503,7 @@ def _get_checkpoint_timestamp(checkpoint_path: str) -> float:
     storage = storage_for(checkpoint_path)
     path = normalize_location(checkpoint_path)
     try:
-        body = json.loads(storage.read_bytes(storage.join(path, MANIFEST_NAME)))
+        body = read_small_json(storage, storage.join(path, MANIFEST_NAME), what="manifest", allow_constants=True)
         stamp = body["timestamp"] if "timestamp" in body else body["created_utc"]  # Forgather's, else ckptd's
         return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
     except FileNotFoundError:
@@ -611,7 +612,7 @@ def load_checkpoint_metrics(checkpoint_path: str) -> dict[str, Any] | None:
     storage = storage_for(path)
     for name in (METRICS_NAME, LEGACY_METRICS_NAME):
         try:
-            return dict(json.loads(storage.read_bytes(storage.join(path, name))))
+            return dict(read_small_json(storage, storage.join(path, name), what="metrics", allow_constants=True))
         except (FileNotFoundError, NotADirectoryError):
             continue
     manifest = read_manifest(storage, path)

@@ -681,3 +681,11 @@ def test_manifest_schemas_are_told_apart_by_content(body, foreign):
     from ckptd.formats.manifest import is_foreign_manifest
 
     assert is_foreign_manifest(body) is foreign
+
+
+def test_a_deeply_nested_manifest_falls_back_to_the_directory_time(tmp_path):
+    """A hostile manifest (200k-deep JSON) must not raise RecursionError out of rotation."""
+    path = tmp_path / "checkpoint-100"
+    path.mkdir()
+    (path / CHECKPOINT_MANIFEST_FILENAME).write_text("[" * 200_000 + "]" * 200_000)
+    assert fg._get_checkpoint_timestamp(str(path)) == os.path.getmtime(path)
