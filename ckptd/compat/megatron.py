@@ -329,8 +329,7 @@ def load(
     built = apply_factories(sharded_state_dict)
     pieces = [leaf for leaf in leaves(built) if isinstance(leaf, ShardedTensor)]
     for piece in pieces:
-        if piece.data is None:
-            piece.data = torch.empty(piece.local_shape, dtype=piece.dtype)
+        piece.init_data()
     if pieces:
         reader.read(_SHARDED, [p.key for p in pieces], targets={p.key: p for p in pieces})
     needs_objects = any(isinstance(leaf, ShardedObject) for leaf in leaves(built))

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..dist.sharding import Box, ChunkInfo, ShardedTensor, is_main_replica, validate_sharding
+from ..dist.sharding import ChunkInfo, ShardedTensor, is_main_replica, validate_sharding
 from ..errors import ConfigError, ShardingError
 from ..formats.torch_dtypes import dtype_name
 
@@ -177,7 +177,7 @@ def validate_sharding_integrity(global_metadata: Iterable[Iterable[Any]], common
         for item in items:
             if isinstance(item, ShardedTensor):
                 dtype = dtype_name(item.dtype, item.key) if item.dtype is not None else "?"
-                box = Box(item.global_offset, item.local_shape)
+                box = item.box
                 main = is_main_replica(item.replica_id)
                 chunks.append(ChunkInfo(rank, item.key, dtype, item.global_shape, box, main))
             elif isinstance(item, ShardedObject):

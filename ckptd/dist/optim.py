@@ -71,12 +71,7 @@ def optim_state_to_sharding_state(
             if (
                 sharded_param is not None
                 and isinstance(value, torch.Tensor)
-                and tuple(value.shape) == sharded_param.local_shape
+                and sharded_param.data is not None
+                and tuple(value.shape) == tuple(sharded_param.data.shape)
             ):
-                state[name] = ShardedTensor(
-                    f"{prefix}.{sharded_param.key}.{name}",
-                    value,
-                    sharded_param.global_shape,
-                    sharded_param.global_offset,
-                    sharded_param.replica_id,
-                )
+                state[name] = sharded_param.like(f"{prefix}.{sharded_param.key}.{name}", value)

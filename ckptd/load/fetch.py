@@ -74,7 +74,7 @@ def _target_region(target: Any, record: TensorRecord, key: str, where: str) -> t
     if isinstance(target, ShardedTensor):
         if target.data is None:
             raise KeyMismatchError(f"sharded target {key!r} has no data to load into")
-        local, global_shape, offset = target.data, target.global_shape, target.global_offset
+        local, global_shape, offset = target.local_view(), target.global_shape, target.box.offset
     elif is_dtensor(target):
         local, global_shape, offset, _ = describe_dtensor(target)
     elif isinstance(target, torch.Tensor):

@@ -177,8 +177,8 @@ class _Encoder:
         if isinstance(value, ShardedTensor):
             if value.data is None:
                 raise UnsupportedValueError(f"sharded tensor {value.key!r} at {self._where(path)!r} has no data")
-            key = self._add_tensor(value.data, path, key=value.key)
-            self.placements[key] = Placement(value.global_shape, value.global_offset, is_main_replica(value.replica_id))
+            key = self._add_tensor(value.local_view(), path, key=value.key)
+            self.placements[key] = Placement(value.global_shape, value.box.offset, is_main_replica(value.replica_id))
             self.leaves[key] = value
             return {TAG: "tensor", "key": key, "sharded": "sharded_tensor"}
         if is_dtensor(value):
