@@ -134,21 +134,15 @@ def from_reader(path: str, component: str | None, context: Context) -> Tensors:
 
 
 def load_dcp(path: str) -> dict[str, Any]:
-    """A whole DCP checkpoint, read by torch's own FileSystemReader and load planner, exactly as
-    ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` reads it (in this process)."""
-    import warnings
+    """A whole DCP checkpoint, read by torch's own FileSystemReader: tensors, and the other
+    entries decoded with ``torch.load(weights_only=True)`` (never arbitrary pickle), in their
+    saved structure (a flat save is ``{"model": ...}``)."""
+    from ..load.dcp import nest_dcp, read_dcp_layout, read_dcp_objects, read_dcp_tensors
 
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict[str, Any] = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is ... uninitialized"
-        _load_state_dict(
-            state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True
-        )
-    return state
+    layout = read_dcp_layout(path)
+    values: dict[str, Any] = read_dcp_tensors(path, layout, layout.shapes)
+    values.update(read_dcp_objects(path, layout.skipped))
+    return dict(nest_dcp(layout, None, values))
 
 
 def _flat_tensors(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -217,7 +217,10 @@ def restore_components(
         targets = tensor_leaves(name, target)
         if isinstance(target, torch.optim.Optimizer):
             targets = {**_optimizer_state_targets(reader, stored, target), **targets}
-        value = _read_value(reader, stored, trees.get(stored), targets, device, verify, allow_pickle)
+        if reader.kind == "dcp":  # no ckptd tree: the structure comes from DCP's own paths
+            value = _dcp_value(reader, stored, target, targets, device)
+        else:
+            value = _read_value(reader, stored, trees.get(stored), targets, device, verify, allow_pickle)
         if callable(getattr(target, "load_state_dict", None)):
             target.load_state_dict(value)
         elif isinstance(target, MutableMapping):
@@ -230,6 +233,16 @@ def restore_components(
 
 
 _OPTIMIZER_STATE_KEY = re.compile(r"^state\.(\d+)\.(.+)$")
+
+
+def _dcp_value(reader: CheckpointReader, stored: str, target: Any, targets: Mapping[str, Any], device: Any) -> Any:
+    """A DCP component nested as saved (DCP writes dict keys as strings: an optimizer's
+    ``state`` keys are turned back into the parameter ids ``load_state_dict`` matches)."""
+    tensors = reader.read(stored, device=device, targets=targets)
+    value = reader.read_dcp_nested(stored, tensors)
+    if isinstance(target, torch.optim.Optimizer) and isinstance(value, dict) and isinstance(value.get("state"), dict):
+        value["state"] = {int(k) if str(k).isdigit() else k: v for k, v in value["state"].items()}
+    return value
 
 
 def _optimizer_state_targets(reader: CheckpointReader, component: str, optimizer: Any) -> dict[str, Any]:

@@ -8,25 +8,39 @@ with ``no_dist=True`` (each process reads on its own; no process group needed).
 
 Tensors are grouped into components by the first element of their original nested path
 (``{"model": ..., "optimizer": ...}`` saves); a flat state dict is the ``model`` component.
-Non-tensor entries are pickles in DCP and are not read.
+Non-tensor entries (an optimizer's ``param_groups``, Megatron's ``ShardedObject`` pieces) are
+``torch.save`` pickles in DCP: :func:`read_dcp_objects` fetches their bytes through torch's
+reader and decodes them with ``torch.load(weights_only=True)`` only (never arbitrary pickle);
+:func:`nest_dcp` puts a component's values back into its original nested structure.
 """
 
 from __future__ import annotations
 
+import io
 import logging
+import pickle
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError, KeyMismatchError
+from ..errors import CorruptCheckpointError, KeyMismatchError, UnsafeCheckpointError
 from ..formats.manifest import TensorRecord
 from ..formats.torch_dtypes import dtype_name
 from .fetch import Destination
 
-__all__ = ["DCP_METADATA", "DcpLayout", "fetch_dcp", "is_dcp", "read_dcp_layout", "read_dcp_tensors"]
+__all__ = [
+    "DCP_METADATA",
+    "DcpLayout",
+    "fetch_dcp",
+    "is_dcp",
+    "nest_dcp",
+    "read_dcp_layout",
+    "read_dcp_objects",
+    "read_dcp_tensors",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +57,20 @@ def is_dcp(names: Iterable[str]) -> bool:
 @dataclass(frozen=True)
 class DcpLayout:
     """``components[name][key]`` is the DCP fully qualified name of a stored tensor;
-    ``shapes``/``dtypes`` are its global shape and dtype by that name."""
+    ``shapes``/``dtypes`` are its global shape and dtype by that name; ``skipped`` the names of
+    the non-tensor entries; ``paths`` every entry's original nested path (list indices as ints)
+    and ``flat`` whether the save was a flat state dict (then everything is ``model``)."""
 
     components: dict[str, dict[str, str]]
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, torch.dtype]
     skipped: tuple[str, ...]
+    paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
+    flat: bool = True
+
+    def component_of(self, fqn: str) -> str:
+        """The component an entry belongs to."""
+        return "model" if self.flat else str(self.paths.get(fqn, (fqn,))[0])
 
 
 def _reader(directory: str, local: bool, storage_options: Mapping[str, Any] | None) -> Any:
@@ -77,6 +99,7 @@ def read_dcp_layout(
     skipped = tuple(sorted(fqn for fqn in entries if fqn not in tensors))
     nested = {fqn: tuple(str(p) for p in paths.get(fqn, (fqn,))) for fqn in tensors}
     flat = all(len(path) == 1 for path in nested.values())
+    original = {fqn: tuple(p if isinstance(p, int) else str(p) for p in paths.get(fqn, (fqn,))) for fqn in entries}
     components: dict[str, dict[str, str]] = {}
     for fqn, path in nested.items():
         if flat:
@@ -91,6 +114,8 @@ def read_dcp_layout(
         {fqn: tuple(md.size) for fqn, md in tensors.items()},
         {fqn: md.properties.dtype for fqn, md in tensors.items()},
         skipped,
+        original,
+        flat,
     )
 
 
@@ -142,3 +167,92 @@ def fetch_dcp(
             destination.buffer.copy_(tensor[destination.box.slices()])
         out[key] = destination
     return out
+
+
+def _bytes_planner() -> Any:
+    """A torch load planner that keeps each non-tensor entry's raw bytes (torch's own planner
+    would unpickle them with ``weights_only=False``)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class _RawBytesPlanner(DefaultLoadPlanner):
+        def __init__(self) -> None:
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.raw: dict[str, bytes] = {}
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            self.raw[read_item.dest_index.fqn] = value.read()
+
+    return _RawBytesPlanner()
+
+
+def read_dcp_objects(
+    directory: str,
+    fqns: Iterable[str],
+    *,
+    local: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The non-tensor entries ``fqns`` of a DCP checkpoint, read by torch's reader and decoded
+    with ``torch.load(weights_only=True)``; a value that would need arbitrary pickle raises
+    :class:`~ckptd.errors.UnsafeCheckpointError` naming the entry."""
+    import torch.distributed.checkpoint as dcp
+
+    wanted = list(dict.fromkeys(fqns))
+    if not wanted:
+        return {}
+    planner = _bytes_planner()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        try:
+            dcp.load(
+                dict.fromkeys(wanted), storage_reader=_reader(directory, local, storage_options), planner=planner,
+                no_dist=True,
+            )
+        except Exception as e:  # torch wraps per-rank failures in CheckpointException
+            raise CorruptCheckpointError(f"{directory}: torch could not read the DCP entries {wanted[:5]} ({e})") from e
+    out: dict[str, Any] = {}
+    for fqn in wanted:
+        try:
+            out[fqn] = torch.load(io.BytesIO(planner.raw[fqn]), map_location="cpu", weights_only=True)
+        except KeyError as e:
+            raise KeyMismatchError(f"{directory}: the DCP checkpoint has no entry {fqn!r}") from e
+        except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, EOFError) as e:
+            raise UnsafeCheckpointError(
+                f"{directory}: DCP entry {fqn!r} is not readable with torch.load(weights_only=True) ({e}); "
+                "only plain values (numbers, strings, lists, dicts, tensors) are loaded from DCP entries"
+            ) from e
+    return out
+
+
+def nest_dcp(layout: DcpLayout, component: str | None, values: Mapping[str, Any]) -> Any:
+    """Entries (``values`` by DCP name) put back into their nested structure: one component's
+    (``component``), or the whole saved state (None; a flat save is then ``{"model": ...}``).
+    Dict keys are strings (DCP stores them so); integer path elements are list indices."""
+    root: dict[Any, Any] = {}
+    for fqn, value in values.items():
+        if layout.flat:
+            if component is None:
+                root.setdefault("model", {})[fqn] = value
+            elif component == "model":
+                root[fqn] = value
+            continue
+        path = layout.paths.get(fqn, (fqn,))
+        if component is not None:
+            if not path or str(path[0]) != component:
+                continue
+            path = path[1:] or path
+        node = root
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return _lists(root)
+
+
+def _lists(node: Any) -> Any:
+    """Dicts keyed 0..n-1 by ints (list indices in DCP paths) become lists."""
+    if not isinstance(node, dict):
+        return node
+    items = {k: _lists(v) for k, v in node.items()}
+    if items and all(isinstance(k, int) for k in items) and sorted(items) == list(range(len(items))):
+        return [items[i] for i in range(len(items))]
+    return items

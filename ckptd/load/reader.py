@@ -47,7 +47,7 @@ from ..storage import (
     storage_for,
 )
 from .cache import FileCache
-from .dcp import DcpLayout, fetch_dcp, is_dcp, read_dcp_layout
+from .dcp import DcpLayout, fetch_dcp, is_dcp, nest_dcp, read_dcp_layout, read_dcp_objects
 from .fetch import Destination, fetch, fetch_bin, preview
 
 __all__ = [
@@ -437,6 +437,28 @@ class CheckpointReader:
             check_regular_file(path)
             return load_bin(path)
         return load_bin_bytes(self.storage.read_bytes(path), path)
+
+    def dcp_layout(self) -> DcpLayout:
+        """What torch's ``.metadata`` lists (DCP and Megatron ``torch_dist`` checkpoints only)."""
+        if self._dcp_layout is None:
+            raise CorruptCheckpointError(f"{self.directory}: not a DCP checkpoint (kind {self.kind!r})")
+        return self._dcp_layout[0]
+
+    def read_dcp_objects(self, fqns: Iterable[str]) -> dict[str, Any]:
+        """Non-tensor DCP entries by name, decoded with ``torch.load(weights_only=True)``."""
+        self.dcp_layout()
+        options = self._dcp_layout[1] if self._dcp_layout is not None else None
+        return read_dcp_objects(self.directory, fqns, local=self.storage.local, storage_options=options)
+
+    def read_dcp_nested(self, component: str, tensors: Mapping[str, Any]) -> Any:
+        """A DCP component rebuilt in its saved structure: ``tensors`` (by key, as :meth:`read`
+        returns them) plus the component's non-tensor entries (an optimizer's ``param_groups``)."""
+        layout = self.dcp_layout()
+        fqns = self._source(component).weight_map
+        objects = [fqn for fqn in layout.skipped if layout.component_of(fqn) == component]
+        values = {fqns[key]: value for key, value in tensors.items() if key in fqns}
+        values.update(self.read_dcp_objects(objects))
+        return nest_dcp(layout, component, values)
 
     def _read_dcp(self, source: _Source, keys: list[str], targets: Mapping[str, Any]) -> dict[str, Destination]:
         if self._dcp_layout is None:  # pragma: no cover - set by _dcp()
