@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import pickle
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +30,15 @@ import torch
 from ..checkpointer import Checkpointer
 from ..dist.optim import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
 from ..dist.sharding import ShardedTensor, is_main_replica, validate_sharding
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, ShardingError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    ShardingError,
+    UnsafeCheckpointError,
+)
+from ..formats.json_files import parse_json
 from ..formats.torch_dtypes import dtype_from_name
 from ..load.assign import read_components
 from ..load.dcp import read_dcp_layout
@@ -88,7 +97,10 @@ def load_tensors_metadata(
 ) -> dict[str, dict[str, TensorInfo]]:
     """Global shapes and dtypes of every tensor, per component, without reading tensor data
     (ckptd: from the manifest; HF checkpoints: from the shard headers; DCP and Megatron
-    ``torch_dist`` checkpoints: from torch's ``.metadata``)."""
+    ``torch_dist`` checkpoints: from torch's ``.metadata``; Megatron checkpoints written with
+    :class:`SaveStrategy`: from the manifest of their ``ckptd/`` part)."""
+    if is_local(os.fspath(path)) and megatron_backend(path) == CKPTD_BACKEND:
+        path = os.path.join(os.fspath(path), CKPTD_SUBDIR)
     reader = CheckpointReader.open(path, storage_options)
     if reader.kind == "dcp":  # Megatron torch_dist / PyTorch DCP: shapes from torch's metadata
         layout = read_dcp_layout(reader.directory, local=reader.storage.local, storage_options=storage_options)
@@ -261,35 +273,115 @@ class AsyncCallsQueue:
 
 # ---- loading ------------------------------------------------------------------------------------
 
+MEGATRON_CONFIG = "metadata.json"  # Megatron's record of the backends, written last
+COMMON_FILE = "common.pt"  # Megatron's non-sharded state (torch.save)
+CKPTD_BACKEND = "ckptd"  # sharded_backend of checkpoints written through SaveStrategy
+CKPTD_SUBDIR = "ckptd"  # where SaveStrategy commits the sharded part inside checkpoint_dir
 
-def _open(checkpoint_dir: str | os.PathLike[str]) -> CheckpointReader:
-    reader = CheckpointReader.open(os.fspath(checkpoint_dir), require_manifest=True)
-    if _COMMON not in reader.state_trees() and _SHARDED not in reader.components():
-        raise CheckpointNotFoundError(
-            f"{reader.directory}: not written by ckptd.compat.megatron.save (no {_COMMON!r} component); "
-            "load it with ckptd.Checkpointer.load"
-        )
-    return reader
+
+def megatron_backend(checkpoint_dir: str | os.PathLike[str]) -> str | None:
+    """``sharded_backend`` of a directory written by Megatron's ``dist_checkpointing.save``
+    (``torch_dist``; ``ckptd`` through :class:`SaveStrategy`), None for other directories."""
+    path = os.path.join(os.fspath(checkpoint_dir), MEGATRON_CONFIG)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        config = parse_json(f.read(), path, "Megatron checkpoint config")
+    backend = config.get("sharded_backend") if isinstance(config, dict) else None
+    if not isinstance(backend, str):
+        raise CorruptCheckpointError(f"{path}: no 'sharded_backend' string; not a Megatron checkpoint config")
+    return backend
+
+
+class _Opened:
+    """A checkpoint ``load`` can read: ckptd's own (``save`` above), Megatron ``torch_dist`` (DCP
+    files + ``common.pt``, read by torch's DCP reader) or Megatron with ckptd's strategy
+    (``common.pt`` + ckptd's sharded part in ``ckptd/``)."""
+
+    def __init__(self, checkpoint_dir: str | os.PathLike[str]) -> None:
+        directory = os.fspath(checkpoint_dir)
+        self.backend = megatron_backend(directory) if is_local(directory) else None
+        if self.backend is None:
+            self.reader = CheckpointReader.open(directory, require_manifest=True)
+            if _COMMON not in self.reader.state_trees() and _SHARDED not in self.reader.components():
+                raise CheckpointNotFoundError(
+                    f"{self.reader.directory}: not written by ckptd.compat.megatron.save (no {_COMMON!r} component) "
+                    f"nor by Megatron (no {MEGATRON_CONFIG}); load it with ckptd.Checkpointer.load"
+                )
+            self.tensors = _SHARDED
+        elif self.backend == CKPTD_BACKEND:
+            self.reader = CheckpointReader.open(os.path.join(directory, CKPTD_SUBDIR), require_manifest=True)
+            self.tensors = _SHARDED
+        elif self.backend == "torch_dist":
+            self.reader = CheckpointReader.open(directory)
+            if self.reader.kind != "dcp":
+                raise CorruptCheckpointError(f"{directory}: metadata.json says torch_dist but there is no .metadata")
+            self.tensors = "model"
+        else:
+            raise ConfigError(
+                f"{directory}: Megatron sharded backend {self.backend!r} is not readable by ckptd "
+                "(torch_dist and ckptd are); convert it with Megatron first"
+            )
+        self.directory = directory
+        self._objects: dict[str, Any] | None = None
+
+    def tensor_keys(self) -> list[str]:
+        return self.reader.keys(self.tensors) if self.tensors in self.reader.components() else []
+
+    def common(self) -> dict[str, Any]:
+        if self.backend is None:
+            trees = self.reader.state_trees()
+            return dict(read_components(self.reader, [_COMMON])[_COMMON]) if _COMMON in trees else {}
+        return _load_common_file(os.path.join(self.directory, COMMON_FILE))
+
+    def object_keys(self) -> list[str]:
+        if self.backend == "torch_dist":
+            return [fqn for fqn in self.reader.dcp_layout().skipped if "/shard_" in fqn]
+        return list(self.objects())
+
+    def objects(self, wanted: list[str] | None = None) -> dict[str, Any]:
+        """Stored sharded objects' data by unique key."""
+        if self.backend == "torch_dist":  # Megatron: torch.save([data]) per piece, as DCP bytes
+            keys = self.object_keys() if wanted is None else [k for k in wanted if k in set(self.object_keys())]
+            read = self.reader.read_dcp_objects(keys)
+            return {k: v[0] if isinstance(v, list) and len(v) == 1 else v for k, v in read.items()}
+        if self._objects is None:
+            names = [n for n in self.reader.state_trees() if n == _OBJECTS or n.startswith(f"{_OBJECTS}@")]
+            found: dict[str, Any] = {}
+            for name in names:
+                found.update(read_components(self.reader, [name])[name] or {})
+            self._objects = {k: v["data"] for k, v in found.items()}
+        return self._objects
+
+
+def _load_common_file(path: str) -> dict[str, Any]:
+    """Megatron's ``common.pt`` with ``torch.load(weights_only=True)`` (never arbitrary pickle)."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"{path}: holds objects that torch.load(weights_only=True) refuses ({e}); ckptd does not unpickle "
+            "arbitrary objects: keep the common state to plain values, or load it with Megatron"
+        ) from e
+    except Exception as e:  # truncated zip, bad magic...
+        raise CorruptCheckpointError(f"{path}: cannot read Megatron's common state ({type(e).__name__}: {e})") from e
+    if not isinstance(loaded, dict):
+        raise CorruptCheckpointError(f"{path}: expected a dict, found a {type(loaded).__name__}")
+    return loaded
 
 
 def load_common_state_dict(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The non-sharded part of the checkpoint (Megatron's ``common.pt``)."""
-    reader = _open(checkpoint_dir)
-    return dict(read_components(reader, [_COMMON])[_COMMON]) if _COMMON in reader.state_trees() else {}
+    """The non-sharded part of the checkpoint (Megatron's ``common.pt``, read with
+    ``weights_only=True``)."""
+    return _Opened(checkpoint_dir).common()
 
 
 def load_plain_tensors(checkpoint_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Every sharded tensor, whole, by its ``ShardedTensor.key``."""
-    reader = _open(checkpoint_dir)
-    return reader.read(_SHARDED) if _SHARDED in reader.components() else {}
-
-
-def _stored_objects(reader: CheckpointReader) -> dict[str, Any]:
-    names = [n for n in reader.state_trees() if n == _OBJECTS or n.startswith(f"{_OBJECTS}@")]
-    found: dict[str, Any] = {}
-    for name in names:
-        found.update(read_components(reader, [name])[name] or {})
-    return found
+    opened = _Opened(checkpoint_dir)
+    return opened.reader.read(opened.tensors) if opened.tensor_keys() else {}
 
 
 def load_sharded_metadata(
@@ -298,16 +390,24 @@ def load_sharded_metadata(
     """What the checkpoint holds, without data: a whole-tensor :class:`ShardedTensor` per key
     (global shape and dtype) and a :class:`ShardedObject` per stored object's unique key."""
     _check_strategy(sharded_strategy, common_strategy)
-    reader = _open(checkpoint_dir)
+    opened = _Opened(checkpoint_dir)
     out: dict[str, ShardedTensor | ShardedObject] = {}
-    if _SHARDED in reader.components():
-        for key, record in reader.locate(_SHARDED).items():
-            shape = tuple(record.shape)
-            dtype = dtype_from_name(record.dtype)
-            out[key] = ShardedTensor(key, None, shape, (0,) * len(shape), dtype=dtype, local_shape=shape)
-    for unique_key in _stored_objects(reader):
+    infos = _tensor_infos(opened)
+    for key, info in infos.items():
+        shape = info.shape
+        out[key] = ShardedTensor(key, None, shape, (0,) * len(shape), dtype=info.dtype, local_shape=shape)
+    for unique_key in opened.object_keys():
         out[unique_key] = ShardedObject.empty_from_unique_key(unique_key)
     return out
+
+
+def _tensor_infos(opened: _Opened) -> dict[str, TensorInfo]:
+    if opened.reader.kind == "dcp":
+        layout = opened.reader.dcp_layout()
+        fqns = layout.components.get(opened.tensors, {})
+        return {key: TensorInfo(layout.dtypes[fqn], layout.shapes[fqn]) for key, fqn in fqns.items()}
+    records = opened.reader.locate(opened.tensors) if opened.tensor_keys() else {}
+    return {key: TensorInfo(dtype_from_name(r.dtype), tuple(r.shape)) for key, r in records.items()}
 
 
 def load(
@@ -321,19 +421,28 @@ def load(
     """Load into the layout ``sharded_state_dict`` describes (any world size): each
     :class:`ShardedTensor` receives exactly its piece in place and is replaced by its tensor,
     sharded objects by their values, factories merged, non-persistent objects unwrapped; the
-    result is merged over the common state.  A key the checkpoint lacks raises
-    :class:`~ckptd.errors.KeyMismatchError` (``strict`` is accepted for compatibility).
+    result is merged over the common state.  Reads ckptd's own checkpoints and Megatron's
+    (``torch_dist``, through torch's DCP reader; or written with :class:`SaveStrategy`).  A key
+    the checkpoint lacks raises :class:`~ckptd.errors.KeyMismatchError` (``strict`` is accepted
+    for compatibility).
     """
     _check_strategy(sharded_strategy, common_strategy)
-    reader = _open(checkpoint_dir)
+    opened = _Opened(checkpoint_dir)
+    loaded = load_sharded_parts(opened, sharded_state_dict)
+    return merge(opened.common(), loaded)
+
+
+def load_sharded_parts(opened: _Opened, sharded_state_dict: dict[str, Any]) -> Any:
+    """The sharded part of ``load``: the tree of ``sharded_state_dict`` with every sharded leaf
+    replaced by its loaded value (plain leaves dropped)."""
     built = apply_factories(sharded_state_dict)
     pieces = [leaf for leaf in leaves(built) if isinstance(leaf, ShardedTensor)]
     for piece in pieces:
         piece.init_data()
     if pieces:
-        reader.read(_SHARDED, [p.key for p in pieces], targets={p.key: p for p in pieces})
-    needs_objects = any(isinstance(leaf, ShardedObject) for leaf in leaves(built))
-    objects = _stored_objects(reader) if needs_objects else {}
+        opened.reader.read(opened.tensors, [p.key for p in pieces], targets={p.key: p for p in pieces})
+    wanted = [leaf.unique_key for leaf in leaves(built) if isinstance(leaf, ShardedObject)]
+    objects = opened.objects(wanted) if wanted else {}
 
     def value(leaf: Any) -> Any:
         if isinstance(leaf, ShardedTensor):
@@ -342,25 +451,27 @@ def load(
             return leaf.unwrap()
         if isinstance(leaf, ShardedObject):
             if leaf.unique_key not in objects:
-                raise CheckpointNotFoundError(f"{reader.directory}: no sharded object {leaf.unique_key!r}")
-            return objects[leaf.unique_key]["data"]
+                raise CheckpointNotFoundError(f"{opened.directory}: no sharded object {leaf.unique_key!r}")
+            return objects[leaf.unique_key]
         return leaf
 
     only_sharded = prune(built, lambda leaf: not is_sharded(leaf))  # plain values come from the checkpoint
-    loaded = apply_factory_merges(map_leaves(only_sharded, value), sharded_state_dict)
-    return merge(load_common_state_dict(checkpoint_dir), loaded)
+    return apply_factory_merges(map_leaves(only_sharded, value), sharded_state_dict)
 
 
 def remove_sharded_tensors(checkpoint_dir: str | os.PathLike[str], key_prefix: str) -> None:
     """Rewrite the checkpoint without the sharded tensors whose key starts with ``key_prefix``
     (a new directory is committed, then swapped in; run it in one process)."""
     directory = _local_dir(checkpoint_dir)
-    reader = _open(directory)
-    keep = [k for k in reader.keys(_SHARDED) if not k.startswith(key_prefix)] if _SHARDED in reader.components() else []
+    opened = _Opened(directory)
+    if opened.backend is not None:
+        raise ConfigError(f"{directory}: written by Megatron ({opened.backend}); remove tensors with Megatron's own")
+    reader = opened.reader
+    keep = [k for k in opened.tensor_keys() if not k.startswith(key_prefix)]
     tensors = reader.read(_SHARDED, keep) if keep else {}
     whole = {k: ShardedTensor(k, t, tuple(t.shape), (0,) * t.dim()) for k, t in tensors.items()}
-    objects = _stored_objects(reader)
-    common = load_common_state_dict(directory)
+    objects = {k: {"data": v} for k, v in opened.objects().items()}
+    common = opened.common()
     metadata = reader.manifest.metadata if reader.manifest is not None else {}
     fresh = f"{directory}.rewrite-{os.getpid()}"
     os.makedirs(fresh)
