@@ -19,10 +19,8 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import pickle
 import shutil
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -30,17 +28,8 @@ import torch
 from ..checkpointer import Checkpointer
 from ..dist.optim import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
 from ..dist.sharding import ShardedTensor, is_main_replica, validate_sharding
-from ..errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    ConfigError,
-    CorruptCheckpointError,
-    ShardingError,
-    UnsafeCheckpointError,
-)
-from ..formats.json_files import parse_json
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, ShardingError
 from ..formats.torch_dtypes import dtype_from_name
-from ..load.assign import read_components
 from ..load.dcp import read_dcp_layout
 from ..load.reader import CheckpointReader
 from ..storage import is_local, local_path
@@ -49,21 +38,31 @@ from .megatron_mapping import (
     ShardedObject,
     ShardedTensorFactory,
     apply_factories,
-    apply_factory_merges,
     is_sharded,
     leaves,
-    map_leaves,
     merge,
     prune,
     validate_sharding_integrity,
+)
+from .megatron_read import (
+    CKPTD_BACKEND,
+    CKPTD_SUBDIR,
+    COMPONENTS,
+    MegatronCheckpoint,
+    TensorInfo,
+    load_sharded_parts,
+    megatron_backend,
+    tensor_infos,
 )
 
 __all__ = [
     "AsyncCallsQueue",
     "AsyncRequest",
+    "LoadStrategy",  # noqa: F822 - lazy (module __getattr__): needs megatron-core
     "LocalNonpersistentObject",
     "ShardedObject",
     "ShardedTensor",
+    "SaveStrategy",  # noqa: F822 - lazy (module __getattr__): needs megatron-core
     "ShardedTensorFactory",
     "TensorInfo",
     "get_param_id_to_sharded_param_map",
@@ -72,6 +71,8 @@ __all__ = [
     "load_plain_tensors",
     "load_sharded_metadata",
     "load_tensors_metadata",
+    "megatron_backend",
+    "register_strategies",  # noqa: F822 - lazy (module __getattr__): needs megatron-core
     "optim_state_to_sharding_state",
     "remove_sharded_tensors",
     "save",
@@ -81,15 +82,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_COMMON, _SHARDED, _OBJECTS = "common", "sharded", "sharded_objects"
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """A stored tensor's dtype and global shape (what :func:`load_tensors_metadata` returns)."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
+_COMMON, _SHARDED, _OBJECTS = COMPONENTS
 
 
 def load_tensors_metadata(
@@ -176,10 +169,26 @@ def save(
     if os.listdir(directory):
         raise CheckpointExistsError(f"checkpoint directory {directory} is not empty; save into an empty one")
     state = prune(apply_factories(sharded_state_dict), lambda v: isinstance(v, LocalNonpersistentObject))
-    common = prune(state, is_sharded)
+    metadata = {"megatron": True, "content_metadata": copy.deepcopy(content_metadata)}
+    pending = start_save(directory, leaves(state), prune(state, is_sharded), metadata, validate_access_integrity)
+    if async_sharded_save:
+        return pending
+    pending.execute_sync()
+    return None
+
+
+def start_save(
+    directory: str,
+    sharded: Iterable[Any],
+    common: dict[str, Any] | None,
+    metadata: dict[str, Any],
+    validate_access_integrity: bool = True,
+) -> AsyncRequest:
+    """Hand this rank's sharded tensors and objects (and, unless None, the common state) to a
+    Checkpointer that commits them into ``directory``; the writer process persists them."""
     tensors: dict[str, ShardedTensor] = {}
     objects: dict[str, Any] = {}
-    for leaf in leaves(state):
+    for leaf in sharded:
         if isinstance(leaf, ShardedTensor):
             if leaf.key in tensors:
                 raise ShardingError(f"sharded tensor key {leaf.key!r} appears twice in this rank's state")
@@ -188,24 +197,16 @@ def save(
             if validate_access_integrity and leaf.unique_key in objects:
                 raise ShardingError(f"sharded object {leaf.unique_key!r} has two main replicas on this rank")
             objects[leaf.unique_key] = {"data": leaf.data}
-    metadata = {"megatron": True, "content_metadata": copy.deepcopy(content_metadata)}
+    state: dict[str, Any] = {_SHARDED: tensors, _OBJECTS: objects}
+    if common is not None:
+        state = {_COMMON: common, **state}
     checkpointer = _DirCheckpointer(directory)
     try:
-        request = checkpointer.async_save(
-            0,
-            {_COMMON: common, _SHARDED: tensors, _OBJECTS: objects},
-            sharing={_OBJECTS: "per_rank"},
-            overwrite=True,
-            metadata=metadata,
-        )
+        request = checkpointer.async_save(0, state, sharing={_OBJECTS: "per_rank"}, overwrite=True, metadata=metadata)
     except BaseException:
         checkpointer.close(wait=False)
         raise
-    pending = AsyncRequest(checkpointer, request)
-    if async_sharded_save:
-        return pending
-    pending.execute_sync()
-    return None
+    return AsyncRequest(checkpointer, request)
 
 
 class AsyncRequest:
@@ -273,114 +274,16 @@ class AsyncCallsQueue:
 
 # ---- loading ------------------------------------------------------------------------------------
 
-MEGATRON_CONFIG = "metadata.json"  # Megatron's record of the backends, written last
-COMMON_FILE = "common.pt"  # Megatron's non-sharded state (torch.save)
-CKPTD_BACKEND = "ckptd"  # sharded_backend of checkpoints written through SaveStrategy
-CKPTD_SUBDIR = "ckptd"  # where SaveStrategy commits the sharded part inside checkpoint_dir
-
-
-def megatron_backend(checkpoint_dir: str | os.PathLike[str]) -> str | None:
-    """``sharded_backend`` of a directory written by Megatron's ``dist_checkpointing.save``
-    (``torch_dist``; ``ckptd`` through :class:`SaveStrategy`), None for other directories."""
-    path = os.path.join(os.fspath(checkpoint_dir), MEGATRON_CONFIG)
-    if not os.path.isfile(path):
-        return None
-    with open(path, "rb") as f:
-        config = parse_json(f.read(), path, "Megatron checkpoint config")
-    backend = config.get("sharded_backend") if isinstance(config, dict) else None
-    if not isinstance(backend, str):
-        raise CorruptCheckpointError(f"{path}: no 'sharded_backend' string; not a Megatron checkpoint config")
-    return backend
-
-
-class _Opened:
-    """A checkpoint ``load`` can read: ckptd's own (``save`` above), Megatron ``torch_dist`` (DCP
-    files + ``common.pt``, read by torch's DCP reader) or Megatron with ckptd's strategy
-    (``common.pt`` + ckptd's sharded part in ``ckptd/``)."""
-
-    def __init__(self, checkpoint_dir: str | os.PathLike[str]) -> None:
-        directory = os.fspath(checkpoint_dir)
-        self.backend = megatron_backend(directory) if is_local(directory) else None
-        if self.backend is None:
-            self.reader = CheckpointReader.open(directory, require_manifest=True)
-            if _COMMON not in self.reader.state_trees() and _SHARDED not in self.reader.components():
-                raise CheckpointNotFoundError(
-                    f"{self.reader.directory}: not written by ckptd.compat.megatron.save (no {_COMMON!r} component) "
-                    f"nor by Megatron (no {MEGATRON_CONFIG}); load it with ckptd.Checkpointer.load"
-                )
-            self.tensors = _SHARDED
-        elif self.backend == CKPTD_BACKEND:
-            self.reader = CheckpointReader.open(os.path.join(directory, CKPTD_SUBDIR), require_manifest=True)
-            self.tensors = _SHARDED
-        elif self.backend == "torch_dist":
-            self.reader = CheckpointReader.open(directory)
-            if self.reader.kind != "dcp":
-                raise CorruptCheckpointError(f"{directory}: metadata.json says torch_dist but there is no .metadata")
-            self.tensors = "model"
-        else:
-            raise ConfigError(
-                f"{directory}: Megatron sharded backend {self.backend!r} is not readable by ckptd "
-                "(torch_dist and ckptd are); convert it with Megatron first"
-            )
-        self.directory = directory
-        self._objects: dict[str, Any] | None = None
-
-    def tensor_keys(self) -> list[str]:
-        return self.reader.keys(self.tensors) if self.tensors in self.reader.components() else []
-
-    def common(self) -> dict[str, Any]:
-        if self.backend is None:
-            trees = self.reader.state_trees()
-            return dict(read_components(self.reader, [_COMMON])[_COMMON]) if _COMMON in trees else {}
-        return _load_common_file(os.path.join(self.directory, COMMON_FILE))
-
-    def object_keys(self) -> list[str]:
-        if self.backend == "torch_dist":
-            return [fqn for fqn in self.reader.dcp_layout().skipped if "/shard_" in fqn]
-        return list(self.objects())
-
-    def objects(self, wanted: list[str] | None = None) -> dict[str, Any]:
-        """Stored sharded objects' data by unique key."""
-        if self.backend == "torch_dist":  # Megatron: torch.save([data]) per piece, as DCP bytes
-            keys = self.object_keys() if wanted is None else [k for k in wanted if k in set(self.object_keys())]
-            read = self.reader.read_dcp_objects(keys)
-            return {k: v[0] if isinstance(v, list) and len(v) == 1 else v for k, v in read.items()}
-        if self._objects is None:
-            names = [n for n in self.reader.state_trees() if n == _OBJECTS or n.startswith(f"{_OBJECTS}@")]
-            found: dict[str, Any] = {}
-            for name in names:
-                found.update(read_components(self.reader, [name])[name] or {})
-            self._objects = {k: v["data"] for k, v in found.items()}
-        return self._objects
-
-
-def _load_common_file(path: str) -> dict[str, Any]:
-    """Megatron's ``common.pt`` with ``torch.load(weights_only=True)`` (never arbitrary pickle)."""
-    if not os.path.isfile(path):
-        return {}
-    try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise UnsafeCheckpointError(
-            f"{path}: holds objects that torch.load(weights_only=True) refuses ({e}); ckptd does not unpickle "
-            "arbitrary objects: keep the common state to plain values, or load it with Megatron"
-        ) from e
-    except Exception as e:  # truncated zip, bad magic...
-        raise CorruptCheckpointError(f"{path}: cannot read Megatron's common state ({type(e).__name__}: {e})") from e
-    if not isinstance(loaded, dict):
-        raise CorruptCheckpointError(f"{path}: expected a dict, found a {type(loaded).__name__}")
-    return loaded
-
 
 def load_common_state_dict(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The non-sharded part of the checkpoint (Megatron's ``common.pt``, read with
     ``weights_only=True``)."""
-    return _Opened(checkpoint_dir).common()
+    return MegatronCheckpoint(checkpoint_dir).common()
 
 
 def load_plain_tensors(checkpoint_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Every sharded tensor, whole, by its ``ShardedTensor.key``."""
-    opened = _Opened(checkpoint_dir)
+    opened = MegatronCheckpoint(checkpoint_dir)
     return opened.reader.read(opened.tensors) if opened.tensor_keys() else {}
 
 
@@ -390,24 +293,15 @@ def load_sharded_metadata(
     """What the checkpoint holds, without data: a whole-tensor :class:`ShardedTensor` per key
     (global shape and dtype) and a :class:`ShardedObject` per stored object's unique key."""
     _check_strategy(sharded_strategy, common_strategy)
-    opened = _Opened(checkpoint_dir)
+    opened = MegatronCheckpoint(checkpoint_dir)
     out: dict[str, ShardedTensor | ShardedObject] = {}
-    infos = _tensor_infos(opened)
+    infos = tensor_infos(opened)
     for key, info in infos.items():
         shape = info.shape
         out[key] = ShardedTensor(key, None, shape, (0,) * len(shape), dtype=info.dtype, local_shape=shape)
     for unique_key in opened.object_keys():
         out[unique_key] = ShardedObject.empty_from_unique_key(unique_key)
     return out
-
-
-def _tensor_infos(opened: _Opened) -> dict[str, TensorInfo]:
-    if opened.reader.kind == "dcp":
-        layout = opened.reader.dcp_layout()
-        fqns = layout.components.get(opened.tensors, {})
-        return {key: TensorInfo(layout.dtypes[fqn], layout.shapes[fqn]) for key, fqn in fqns.items()}
-    records = opened.reader.locate(opened.tensors) if opened.tensor_keys() else {}
-    return {key: TensorInfo(dtype_from_name(r.dtype), tuple(r.shape)) for key, r in records.items()}
 
 
 def load(
@@ -427,43 +321,16 @@ def load(
     for compatibility).
     """
     _check_strategy(sharded_strategy, common_strategy)
-    opened = _Opened(checkpoint_dir)
+    opened = MegatronCheckpoint(checkpoint_dir)
     loaded = load_sharded_parts(opened, sharded_state_dict)
     return merge(opened.common(), loaded)
-
-
-def load_sharded_parts(opened: _Opened, sharded_state_dict: dict[str, Any]) -> Any:
-    """The sharded part of ``load``: the tree of ``sharded_state_dict`` with every sharded leaf
-    replaced by its loaded value (plain leaves dropped)."""
-    built = apply_factories(sharded_state_dict)
-    pieces = [leaf for leaf in leaves(built) if isinstance(leaf, ShardedTensor)]
-    for piece in pieces:
-        piece.init_data()
-    if pieces:
-        opened.reader.read(opened.tensors, [p.key for p in pieces], targets={p.key: p for p in pieces})
-    wanted = [leaf.unique_key for leaf in leaves(built) if isinstance(leaf, ShardedObject)]
-    objects = opened.objects(wanted) if wanted else {}
-
-    def value(leaf: Any) -> Any:
-        if isinstance(leaf, ShardedTensor):
-            return leaf.data
-        if isinstance(leaf, LocalNonpersistentObject):
-            return leaf.unwrap()
-        if isinstance(leaf, ShardedObject):
-            if leaf.unique_key not in objects:
-                raise CheckpointNotFoundError(f"{opened.directory}: no sharded object {leaf.unique_key!r}")
-            return objects[leaf.unique_key]
-        return leaf
-
-    only_sharded = prune(built, lambda leaf: not is_sharded(leaf))  # plain values come from the checkpoint
-    return apply_factory_merges(map_leaves(only_sharded, value), sharded_state_dict)
 
 
 def remove_sharded_tensors(checkpoint_dir: str | os.PathLike[str], key_prefix: str) -> None:
     """Rewrite the checkpoint without the sharded tensors whose key starts with ``key_prefix``
     (a new directory is committed, then swapped in; run it in one process)."""
     directory = _local_dir(checkpoint_dir)
-    opened = _Opened(directory)
+    opened = MegatronCheckpoint(directory)
     if opened.backend is not None:
         raise ConfigError(f"{directory}: written by Megatron ({opened.backend}); remove tensors with Megatron's own")
     reader = opened.reader
@@ -484,3 +351,18 @@ def remove_sharded_tensors(checkpoint_dir: str | os.PathLike[str], key_prefix: s
     os.rename(directory, old)
     os.rename(fresh, directory)
     shutil.rmtree(old, ignore_errors=True)
+
+
+_STRATEGY_NAMES = ("SaveStrategy", "LoadStrategy", "register_strategies")
+
+
+def __getattr__(name: str) -> Any:
+    """``SaveStrategy`` / ``LoadStrategy`` / ``register_strategies`` subclass and register with the
+    real Megatron-Core: imported on first use, so ckptd imports without ``megatron-core``."""
+    if name in _STRATEGY_NAMES:
+        try:
+            from . import megatron_strategy
+        except ImportError as e:
+            raise ImportError(f"ckptd.compat.megatron.{name} needs megatron-core: pip install 'ckptd[megatron]'") from e
+        return getattr(megatron_strategy, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -205,7 +205,9 @@ def read_dcp_objects(
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:
             dcp.load(
-                dict.fromkeys(wanted), storage_reader=_reader(directory, local, storage_options), planner=planner,
+                dict.fromkeys(wanted),
+                storage_reader=_reader(directory, local, storage_options),
+                planner=planner,
                 no_dist=True,
             )
         except Exception as e:  # torch wraps per-rank failures in CheckpointException

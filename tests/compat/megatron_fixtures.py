@@ -1,0 +1,130 @@
+"""Checkpoints written by the real ``megatron.core.dist_checkpointing.save`` on CPU, in real gloo
+ranks, and the values they hold (so a test compares what ckptd reads with what was saved).
+
+Megatron's save path calls ``torch.cuda.synchronize()`` and ``torch.cuda.current_device()``;
+:func:`stub_cuda_for_megatron_save` replaces only those two, only in the generating processes
+(spawned by :func:`distributed.run_ranks`), never in the process that runs ckptd's reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+WORLD = 2
+# Whole tensors as saved; rank r holds the pieces described in mcore_state().
+DECODER = torch.arange(32, dtype=torch.float32).reshape(8, 4) / 8  # split by rows
+EMBED = torch.arange(24, dtype=torch.bfloat16).reshape(6, 4)  # split by columns (2-D shards)
+NORM = torch.linspace(-1.0, 1.0, 5)  # replicated: rank 1 holds replica 1
+LAYERS = torch.arange(24, dtype=torch.float16).reshape(2, 3, 4)  # prepend_axis_num=1: a layer per rank
+COUNTS = torch.arange(6, dtype=torch.int64) * 3  # split in halves
+COMMON = {"iteration": 7, "args": {"lr": 0.5, "name": "gpt"}, "plain": torch.ones(3)}
+
+
+def expected_tensors() -> dict[str, torch.Tensor]:
+    """Every ShardedTensor key of the fixture and its whole global value."""
+    return {
+        "decoder.weight": DECODER,
+        "embedding.weight": EMBED,
+        "final_norm.weight": NORM,
+        "layers.mlp.weight": LAYERS,
+        "counts": COUNTS,
+    }
+
+
+def expected_objects() -> dict[str, Any]:
+    """The ShardedObject pieces by unique key and the data each holds."""
+    return {f"optimizer.extra/shard_{r}_{WORLD}": {"rank": r, "lr": 0.1 * (r + 1)} for r in range(WORLD)}
+
+
+def stub_cuda_for_megatron_save() -> None:
+    """Let Megatron's save path run on CPU: its two CUDA calls become no-ops (this process only)."""
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_device = lambda: "cpu"  # used as a device for a 1-element flag tensor
+
+
+def mcore_state(rank: int, world: int = WORLD, *, empty: bool = False) -> dict[str, Any]:
+    """Rank ``rank``'s sharded state dict built with Megatron's own mapping classes
+    (``empty``: zero-filled tensors and no object data, a load target)."""
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    def piece(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(t) if empty else t.clone()
+
+    rows, cols, half = DECODER.shape[0] // world, EMBED.shape[1] // world, COUNTS.shape[0] // world
+    return {
+        "model": {
+            "decoder": ShardedTensor.from_rank_offsets(
+                "decoder.weight", piece(DECODER[rank * rows : (rank + 1) * rows]), (0, rank, world)
+            ),
+            "embedding": ShardedTensor.from_rank_offsets(
+                "embedding.weight", piece(EMBED[:, rank * cols : (rank + 1) * cols]), (1, rank, world)
+            ),
+            "norm": ShardedTensor.from_rank_offsets("final_norm.weight", piece(NORM), replica_id=rank),
+            "mlp": ShardedTensor.from_rank_offsets(
+                "layers.mlp.weight", piece(LAYERS[rank]), (0, rank, world), prepend_axis_num=1
+            ),
+            "counts": ShardedTensor.from_rank_offsets(
+                "counts", piece(COUNTS[rank * half : (rank + 1) * half]), (0, rank, world)
+            ),
+        },
+        "extra": ShardedObject(
+            "optimizer.extra",
+            None if empty else expected_objects()[f"optimizer.extra/shard_{rank}_{world}"],
+            (world,),
+            (rank,),
+        ),
+        **({} if empty else {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in COMMON.items()}),
+    }
+
+
+def _strategies(strategy: str | None) -> tuple[Any, Any]:
+    if strategy != "ckptd":
+        return None, None
+    from ckptd.compat.megatron import LoadStrategy, SaveStrategy
+
+    return SaveStrategy(), LoadStrategy()
+
+
+def megatron_save_on_rank(rank: int, world: int, directory: str, strategy: str | None = None) -> None:
+    """The real ``dist_checkpointing.save`` of this rank's state (Megatron's default
+    ``torch_dist`` strategy, or ckptd's with ``strategy='ckptd'``)."""
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(mcore_state(rank, world), directory, sharded_strategy=_strategies(strategy)[0])
+
+
+def megatron_load_on_rank(rank: int, world: int, directory: str, strategy: str | None = None) -> dict[str, Any]:
+    """The real ``dist_checkpointing.load`` into this rank's layout (zero-filled targets)."""
+    from megatron.core import dist_checkpointing
+
+    state = mcore_state(rank, world, empty=True)
+    return dist_checkpointing.load(state, directory, sharded_strategy=_strategies(strategy)[1])
+
+
+def generate_on_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Run by each of the :data:`WORLD` gloo ranks: Megatron's default save into
+    ``root/torch_dist``, a save through ckptd's SaveStrategy into ``root/ckptd``, then loads at
+    the same world size (ckptd's LoadStrategy of both, Megatron's default of its own)."""
+    import os
+
+    stub_cuda_for_megatron_save()
+    out: dict[str, Any] = {}
+    for name, strategy in (("torch_dist", None), ("ckptd", "ckptd")):
+        directory = os.path.join(root, name)
+        os.makedirs(directory, exist_ok=True)
+        megatron_save_on_rank(rank, world, directory, strategy)
+        out[f"files:{name}"] = sorted(os.listdir(directory))
+    out["ckptd<-ckptd"] = megatron_load_on_rank(rank, world, os.path.join(root, "ckptd"), "ckptd")
+    out["ckptd<-torch_dist"] = megatron_load_on_rank(rank, world, os.path.join(root, "torch_dist"), "ckptd")
+    out["megatron<-torch_dist"] = megatron_load_on_rank(rank, world, os.path.join(root, "torch_dist"))
+    return out
+
+
+def generate(root: str) -> dict[int, dict[str, Any]]:
+    """Write both fixtures under ``root`` with real Megatron in :data:`WORLD` spawned gloo ranks;
+    returns each rank's listings and loads (see :func:`generate_on_rank`)."""
+    from distributed import run_ranks
+
+    return run_ranks(WORLD, generate_on_rank, root)
