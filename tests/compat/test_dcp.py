@@ -89,3 +89,32 @@ def test_tensor_metadata_of_a_dcp_checkpoint(tmp_path, trained):
     assert infos["model"]["embed.weight"] == ckptd.TensorInfo(torch.float32, (64, 16))
     assert infos["optimizer"]["state.0.exp_avg"].shape == tuple(optimizer.state_dict()["state"][0]["exp_avg"].shape)
     assert set(infos["model"]) == set(model.state_dict())
+
+
+def test_optimizer_with_param_groups_loads_from_dcp(tmp_path, trained):
+    model, optimizer = trained
+    optimizer.param_groups[0]["lr"] = 3e-4  # a value the fresh optimizer does not have
+    path = save_dcp(str(tmp_path / "dcp"), {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    fresh_model = TinyLM()
+    fresh = torch.optim.Adam(fresh_model.parameters(), lr=1.0, betas=(0.5, 0.5))
+    with ckptd.Checkpointer(str(tmp_path / "root")) as ckpt:
+        ckpt.load(path, into={"model": fresh_model, "optimizer": fresh})
+    saved, loaded = optimizer.state_dict(), fresh.state_dict()
+    assert loaded["param_groups"] == saved["param_groups"]
+    assert fresh.param_groups[0]["lr"] == 3e-4 and fresh.param_groups[0]["betas"] == (0.9, 0.999)
+    assert_same(saved["state"], loaded["state"])
+    assert_same(model.state_dict(), fresh_model.state_dict())
+
+
+def test_dcp_entries_that_need_pickle_are_refused(tmp_path, trained):
+    model, _ = trained
+    path = save_dcp(str(tmp_path / "dcp"), {"model": model.state_dict(), "extra": {"when": Opaque()}})
+    reader = ckptd.CheckpointReader.open(path)
+    assert reader.dcp_layout().skipped == ("extra.when",)
+    with pytest.raises(ckptd.errors.UnsafeCheckpointError, match="extra.when"):
+        reader.read_dcp_objects(["extra.when"])
+    assert_same(model.state_dict(), reader.read("model"))
+
+
+class Opaque:
+    """A value torch.load(weights_only=True) refuses: DCP pickles it."""
