@@ -8,8 +8,11 @@ and ``sharded_objects`` components), Megatron's ``torch_dist`` (``metadata.json`
 
 from __future__ import annotations
 
+import argparse
 import os
+import pathlib
 import pickle
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,7 +132,7 @@ class MegatronCheckpoint:
         if self.backend == "torch_dist":  # Megatron: torch.save([data]) per piece, as DCP bytes
             keys = self.object_keys() if wanted is None else [k for k in wanted if k in set(self.object_keys())]
             read = self.reader.read_dcp_objects(keys)
-            return {k: v[0] if isinstance(v, list) and len(v) == 1 else v for k, v in read.items()}
+            return {k: v[0] if isinstance(v, list) and v else v for k, v in read.items()}
         if self._objects is None:
             names = [n for n in self.reader.state_trees() if n == _OBJECTS or n.startswith(f"{_OBJECTS}@")]
             found: dict[str, Any] = {}
@@ -139,12 +142,18 @@ class MegatronCheckpoint:
         return self._objects
 
 
+_COMMON_SAFE_CLASSES = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath]
+
+
 def _load_common_file(path: str) -> dict[str, Any]:
-    """Megatron's ``common.pt`` with ``torch.load(weights_only=True)`` (never arbitrary pickle)."""
+    """Megatron's ``common.pt`` with ``torch.load(weights_only=True)`` (never arbitrary pickle);
+    ``argparse.Namespace``, ``types.SimpleNamespace`` and ``pathlib.PosixPath`` are allowed too:
+    Megatron-LM keeps its ``args`` there (Megatron registers the same classes)."""
     if not os.path.isfile(path):
         return {}
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(_COMMON_SAFE_CLASSES):
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(
             f"{path}: holds objects that torch.load(weights_only=True) refuses ({e}); ckptd does not unpickle "

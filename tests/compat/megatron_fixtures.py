@@ -8,6 +8,7 @@ Megatron's save path calls ``torch.cuda.synchronize()`` and ``torch.cuda.current
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import torch
@@ -19,7 +20,8 @@ EMBED = torch.arange(24, dtype=torch.bfloat16).reshape(6, 4)  # split by columns
 NORM = torch.linspace(-1.0, 1.0, 5)  # replicated: rank 1 holds replica 1
 LAYERS = torch.arange(24, dtype=torch.float16).reshape(2, 3, 4)  # prepend_axis_num=1: a layer per rank
 COUNTS = torch.arange(6, dtype=torch.int64) * 3  # split in halves
-COMMON = {"iteration": 7, "args": {"lr": 0.5, "name": "gpt"}, "plain": torch.ones(3)}
+# Megatron-LM keeps its argparse.Namespace in the common state
+COMMON = {"iteration": 7, "args": argparse.Namespace(lr=0.5, name="gpt"), "plain": torch.ones(3)}
 
 
 def expected_tensors() -> dict[str, torch.Tensor]:
