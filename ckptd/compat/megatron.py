@@ -10,8 +10,12 @@ written once, as Megatron's ``common.pt``), ``sharded`` (the tensors, under thei
 each object's ``unique_key``).  ``async_sharded_save=True`` returns an :class:`AsyncRequest`
 that an :class:`AsyncCallsQueue` completes, as in Megatron.
 
-Megatron's own checkpoints (``torch_dist``: DCP files) are read by ``ckptd.load_checkpoint`` /
-``Checkpointer.load`` through torch's DCP reader; ``load_tensors_metadata`` reads their shapes.
+Megatron's own checkpoints are read too (:mod:`.megatron_read`): ``load``,
+``load_common_state_dict``, ``load_plain_tensors`` and the metadata readers accept a directory
+written by real ``megatron.core.dist_checkpointing.save`` (``torch_dist``: DCP files read by
+torch's DCP reader, ``common.pt`` with ``weights_only``), at any world size.  With
+``megatron-core`` installed, :class:`SaveStrategy` / :class:`LoadStrategy`
+(:mod:`.megatron_strategy`, imported on first use) plug ckptd into the real library.
 """
 
 from __future__ import annotations

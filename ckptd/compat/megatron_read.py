@@ -152,7 +152,10 @@ def _load_common_file(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         return {}
     try:
-        with torch.serialization.safe_globals(_COMMON_SAFE_CLASSES):
+        # only the classes not allowed yet: the context manager removes what it was given on exit,
+        # and must not take away what Megatron registered for the whole process
+        allowed = set(map(id, torch.serialization.get_safe_globals()))
+        with torch.serialization.safe_globals([c for c in _COMMON_SAFE_CLASSES if id(c) not in allowed]):
             loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(

@@ -105,6 +105,29 @@ def megatron_load_on_rank(rank: int, world: int, directory: str, strategy: str |
     return dist_checkpointing.load(state, directory, sharded_strategy=_strategies(strategy)[1])
 
 
+def async_save_on_rank(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """``save(..., async_sharded_save=True)`` through ckptd's SaveStrategy, completed by
+    Megatron's own ``AsyncCallsQueue``; returns whether ``metadata.json`` existed before and
+    after the finalization."""
+    import os
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from ckptd.compat.megatron import SaveStrategy
+
+    os.makedirs(directory, exist_ok=True)
+    request = dist_checkpointing.save(
+        mcore_state(rank, world), directory, sharded_strategy=SaveStrategy(), async_sharded_save=True
+    )
+    config = os.path.join(directory, "metadata.json")
+    before = os.path.exists(config)
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(request)
+    finalized = queue.maybe_finalize_async_calls(blocking=True)
+    return {"async:before": before, "async:after": os.path.exists(config), "async:finalized": finalized}
+
+
 def generate_on_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     """Run by each of the :data:`WORLD` gloo ranks: Megatron's default save into
     ``root/torch_dist``, a save through ckptd's SaveStrategy into ``root/ckptd``, then loads at
@@ -118,7 +141,9 @@ def generate_on_rank(rank: int, world: int, root: str) -> dict[str, Any]:
         os.makedirs(directory, exist_ok=True)
         megatron_save_on_rank(rank, world, directory, strategy)
         out[f"files:{name}"] = sorted(os.listdir(directory))
+    out.update(async_save_on_rank(rank, world, os.path.join(root, "ckptd_async")))
     out["ckptd<-ckptd"] = megatron_load_on_rank(rank, world, os.path.join(root, "ckptd"), "ckptd")
+    out["ckptd<-ckptd_async"] = megatron_load_on_rank(rank, world, os.path.join(root, "ckptd_async"), "ckptd")
     out["ckptd<-torch_dist"] = megatron_load_on_rank(rank, world, os.path.join(root, "torch_dist"), "ckptd")
     out["megatron<-torch_dist"] = megatron_load_on_rank(rank, world, os.path.join(root, "torch_dist"))
     return out
