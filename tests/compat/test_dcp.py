@@ -118,3 +118,15 @@ def test_dcp_entries_that_need_pickle_are_refused(tmp_path, trained):
 
 class Opaque:
     """A value torch.load(weights_only=True) refuses: DCP pickles it."""
+
+
+def test_convert_reads_a_whole_dcp_state_without_pickle(tmp_path, trained):
+    from ckptd.cli.shards import load_dcp
+
+    model, optimizer = trained
+    nested = save_dcp(str(tmp_path / "nested"), {"model": model.state_dict(), "optim": optimizer.state_dict()})
+    state = load_dcp(nested)
+    assert state["optim"]["param_groups"] == optimizer.state_dict()["param_groups"]
+    assert_same(optimizer.state_dict()["state"][0]["exp_avg"], state["optim"]["state"]["0"]["exp_avg"])
+    flat = save_dcp(str(tmp_path / "flat"), model.state_dict())
+    assert_same({"model": model.state_dict()}, load_dcp(flat))  # a flat save is the model component
