@@ -179,3 +179,22 @@ def test_objects_that_would_need_pickle_are_refused(tmp_path):
     with pytest.raises(ckptd.errors.UnsupportedValueError):
         mcore.save(state, str(tmp_path))
     assert os.listdir(tmp_path) == [], "nothing written"
+
+
+def test_ckptd_imports_without_megatron_core():
+    """The strategies import megatron-core on first use only; without it they say what to install."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys; sys.modules['megatron'] = None\n"  # as if megatron-core were not installed
+        "import ckptd, ckptd.compat.megatron as m\n"
+        "assert m.ShardedTensor is ckptd.ShardedTensor\n"
+        "try:\n    m.SaveStrategy\nexcept ImportError as e:\n    print(e)\n"
+    )
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'ckptd[megatron]'" in out.stdout
