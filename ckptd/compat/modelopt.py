@@ -320,13 +320,27 @@ def create_local_shard_(
     return model
 
 
-def _model_class(model_config: Any) -> Any:
+_AUTO_CLASSES = (
+    "AutoModelForCausalLM",
+    "AutoModelForConditionalGeneration",
+    "AutoModelForImageTextToText",
+    "AutoModel",
+)
+
+
+def _build(model_config: Any, trust_remote_code: bool) -> torch.nn.Module:
+    """ModelOpt's choice of class: with remote code, the first Auto class the config's ``auto_map``
+    names; else ``config.architectures[0]`` if transformers has it; else AutoModelForCausalLM."""
     import transformers
 
-    for name in getattr(model_config, "architectures", None) or []:
-        if hasattr(transformers, name):
-            return getattr(transformers, name)
-    return None
+    if trust_remote_code:
+        auto_map = getattr(model_config, "auto_map", None) or {}
+        auto = next((n for n in _AUTO_CLASSES if n in auto_map), "AutoModelForCausalLM")
+        return getattr(transformers, auto).from_config(model_config, trust_remote_code=True)
+    architectures = getattr(model_config, "architectures", None) or []
+    if architectures and hasattr(transformers, architectures[0]):
+        return getattr(transformers, architectures[0])._from_config(model_config)
+    return transformers.AutoModelForCausalLM.from_config(model_config)
 
 
 def create_sharded_model(
@@ -336,21 +350,17 @@ def create_sharded_model(
     owned_block_indexes: set[int],
     device: str | torch.device | None = "meta",
     dtype: torch.dtype | None = torch.float32,
+    trust_remote_code: bool | None = None,
 ) -> torch.nn.Module:
     """ModelOpt, with ``owned_keys`` for the descriptor: this rank's part of the transformers
-    model of ``model_config`` (class from ``config.architectures``, else AutoModelForCausalLM),
-    built on the meta device; with another ``device``, its tensors are allocated (uninitialised)
-    there."""
-    import transformers
-
+    model of ``model_config`` (class from ``config.architectures``, else AutoModelForCausalLM;
+    ``trust_remote_code``: the config's ``auto_map``), built on the meta device; with another
+    ``device``, its tensors are allocated (uninitialised) there.  ``trust_remote_code=None`` is
+    False (ModelOpt asks its descriptor)."""
     device = torch.device(device) if device is not None else torch.device("meta")
     _barrier()
     with torch.device("meta"):
-        model_class = _model_class(model_config)
-        if model_class is None:
-            model = transformers.AutoModelForCausalLM.from_config(model_config)
-        else:
-            model = model_class._from_config(model_config)
+        model = _build(model_config, bool(trust_remote_code))
         if dtype is not None:
             model.to(dtype)
         create_local_shard_(model, owned_block_indexes, owned_keys, runtime)
@@ -372,6 +382,7 @@ def load_and_shard_model(
     checkpoint_path: str | os.PathLike[str],
     owned_block_indexes: set[int] | Literal["auto"] = "auto",
     model_config: Any = None,
+    trust_remote_code: bool | None = None,
     *,
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.nn.Module:
@@ -397,13 +408,13 @@ def load_and_shard_model(
     )
     path = os.fspath(checkpoint_path)
     if model_config is None:
-        model_config = transformers.AutoConfig.from_pretrained(path)
+        model_config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=bool(trust_remote_code))
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     num_layers = int(text_config.num_hidden_layers)
     if owned_block_indexes == "auto":
         owned_block_indexes = _split(num_layers, world, rank)
     owned = set(owned_block_indexes)
-    model_shard = create_sharded_model(runtime, owned_keys, model_config, owned)
+    model_shard = create_sharded_model(runtime, owned_keys, model_config, owned, trust_remote_code=trust_remote_code)
     tied = bool(getattr(model_config, "tie_word_embeddings", False))
     has_first, has_last = 0 in owned, num_layers - 1 in owned
     storage, directory = _location(path)
