@@ -34,7 +34,7 @@ from ..load.reader import CheckpointReader
 from ..save.flatten import find_tied_groups
 from ..save.tensor_files import write_safetensors_file, write_whole_file
 from ..storage import check_file_name
-from .forgather import StateDictLike, _location, save_shard_index
+from .forgather import StateDictLike, _location, _state_of, save_shard_index
 
 __all__ = [
     "OwnedKeys",
@@ -109,24 +109,20 @@ def save_sharded_model(model_shard: StateDictLike, out_path: str | os.PathLike[s
     :class:`~ckptd.errors.DistributedSaveError`, and no index is written.
     """
     _barrier()
-    if isinstance(model_shard, torch.nn.Module):
-        state = model_shard.state_dict()
-    elif isinstance(model_shard, dict):
-        state = model_shard
-    else:
-        raise ConfigError(f"save_sharded_model: unrecognized model shard type {type(model_shard).__name__}")
-    state = {k: v.detach().cpu() for k, v in state.items()}
     _, rank, world = _group()
     storage, target = _location(out_path)
     directory, _, name = target.rpartition("/" if not storage.local else os.sep)
     stem, dot, suffix = name.rpartition(".")
     if not dot:
         stem, suffix = name, ""
-    shard_name = check_file_name(f"{stem}-{rank + 1:05d}-of-{world:05d}{dot}{suffix}", directory)
-    sharing = find_tied_groups(state)
-    aliases = {k for group in sharing for k in group[1:]}
-    stored = {k: v for k, v in state.items() if k not in aliases}
-    try:
+    try:  # from here on, an error on one rank is reported on every rank (none waits forever)
+        if not isinstance(model_shard, (torch.nn.Module, dict)):
+            raise ConfigError(f"save_sharded_model: unrecognized model shard type {type(model_shard).__name__}")
+        state = {k: v.cpu() for k, v in _state_of(model_shard).items()}
+        shard_name = check_file_name(f"{stem}-{rank + 1:05d}-of-{world:05d}{dot}{suffix}", directory)
+        sharing = find_tied_groups(state)
+        aliases = {k for group in sharing for k in group[1:]}
+        stored = {k: v for k, v in state.items() if k not in aliases}
         storage.makedirs(directory)
         path = storage.join(directory, shard_name)
         if suffix == "safetensors":
@@ -197,7 +193,7 @@ def is_in_safetensors_format(checkpoint_dir: str | os.PathLike[str]) -> bool:
     storage, directory = _location(checkpoint_dir)
     try:
         names = storage.list_names(directory)
-    except FileNotFoundError:
+    except OSError:  # missing or unreadable: ModelOpt's glob finds nothing either
         return False
     return any(name.endswith(".safetensors") for name in names)
 

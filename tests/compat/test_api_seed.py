@@ -140,10 +140,11 @@ def test_sharing_metadata_helpers():
     assert model.head.weight is model.embed.weight
 
 
-def test_save_sharded_model_writes_one_safetensors_file(tmp_path):
+def test_save_sharded_model_writes_modelopts_shard_and_index(tmp_path):
     model = TinyLM()
     out = tmp_path / "export" / "model.safetensors"
-    ckptd.save_sharded_model(model, str(out))
+    ckptd.save_sharded_model(model, str(out))  # no process group: shard 1 of 1, as one rank of ModelOpt
+    assert sorted(os.listdir(out.parent)) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
     loaded = ckptd.load_sharded_state_dict(tmp_path / "export")
     expected = {k: v for k, v in model.state_dict().items() if k != "head.weight"}
     assert_same(expected, loaded)

@@ -4,6 +4,8 @@ real 2-rank gloo group), next to the loaders tested in test_api_seed.py."""
 from __future__ import annotations
 
 import inspect
+import json
+import os
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from distributed import run_ranks
 
 import ckptd
 from ckptd.compat import modelopt
-from ckptd.errors import ConfigError, KeyMismatchError
+from ckptd.errors import ConfigError, DistributedSaveError, KeyMismatchError
 
 
 def test_signatures_match_modelopt():
@@ -169,3 +171,41 @@ def test_load_and_shard_model_over_two_ranks(tmp_path):
     assert set(results[1]) == GPT2_OWNED(model, {2}) - {"transformer.wte.weight"}
     for part in results.values():
         assert_same({k: expected[k] for k in part}, part)
+
+
+def save_part(rank: int, world: int, out: str, bad_rank: int | None) -> str:
+    part = {f"layer.{rank}.weight": torch.full((4,), float(rank))}
+    if rank == bad_rank:
+        part["layer.extra"] = "not a tensor"  # type: ignore[assignment]
+    try:
+        modelopt.save_sharded_model(part, out)
+    except DistributedSaveError as e:
+        return f"{e.ranks}: {e}"
+    return "saved"
+
+
+@pytest.mark.distributed
+def test_save_sharded_model_over_two_ranks_and_a_failing_rank(tmp_path):
+    out = tmp_path / "good" / "model.safetensors"
+    assert run_ranks(2, save_part, str(out), None) == {0: "saved", 1: "saved"}
+    assert sorted(os.listdir(out.parent)) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    index = json.loads((out.parent / "model.safetensors.index.json").read_text())
+    assert index == {
+        "metadata": {"total_size": 32},
+        "weight_map": {
+            "layer.0.weight": "model-00001-of-00002.safetensors",
+            "layer.1.weight": "model-00002-of-00002.safetensors",
+        },
+    }
+    expected = {"layer.0.weight": torch.zeros(4), "layer.1.weight": torch.ones(4)}
+    assert_same(expected, modelopt.load_sharded_state_dict(out.parent))
+
+    bad = tmp_path / "bad" / "model.safetensors"
+    outcomes = run_ranks(2, save_part, str(bad), 1)
+    for outcome in outcomes.values():  # every rank raises, naming rank 1, the path and the cause
+        assert outcome.startswith("[1]: ") and str(bad) in outcome and "layer.extra" in outcome
+    assert "model.safetensors.index.json" not in os.listdir(bad.parent)  # no index naming a missing shard
