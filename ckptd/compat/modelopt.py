@@ -112,9 +112,7 @@ def save_sharded_model(model_shard: StateDictLike, out_path: str | os.PathLike[s
     _, rank, world = _group()
     storage, target = _location(out_path)
     directory, _, name = target.rpartition("/" if not storage.local else os.sep)
-    stem, dot, suffix = name.rpartition(".")
-    if not dot:
-        stem, suffix = name, ""
+    stem, dot, suffix = name.rpartition(".") if "." in name else (name, "", "")
     try:  # from here on, an error on one rank is reported on every rank (none waits forever)
         if not isinstance(model_shard, (torch.nn.Module, dict)):
             raise ConfigError(f"save_sharded_model: unrecognized model shard type {type(model_shard).__name__}")
@@ -243,8 +241,13 @@ def load_state_dict_to_shards(model_shard: torch.nn.Module, loaded_state_dict: d
         present = [k for k in group if k in shard]
         if present:
             shard.update({k: shard[present[0]] for k in group if k not in shard})
-    model_shard.load_state_dict(shard, assign=True)
-    _barrier()
+    missing, unexpected = model_shard.load_state_dict(shard, strict=False, assign=True)
+    if missing or unexpected:
+        raise KeyMismatchError(
+            f"load_state_dict_to_shards: rank {rank}'s shard got no tensor for {sorted(missing)}"
+            + (f" and has no place for {sorted(unexpected)}" if unexpected else "")
+            + "; pass a state dict holding every key of every rank's shard"
+        )
 
 
 def _tied_keys(model: torch.nn.Module) -> list[list[str]]:
@@ -253,6 +256,14 @@ def _tied_keys(model: torch.nn.Module) -> list[list[str]]:
     for key, value in model.state_dict(keep_vars=True).items():
         groups.setdefault(id(value), []).append(key)
     return [group for group in groups.values() if len(group) > 1]
+
+
+def _block_index(key: str, prefix: str) -> int | None:
+    """``i`` for a key ``<prefix><i>.<rest>``, else None."""
+    if not key.startswith(prefix):
+        return None
+    head = key[len(prefix) :].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 def owned_keys_by_block(layers: str, first: Sequence[str] = (), last: Sequence[str] = ()) -> OwnedKeys:
@@ -271,14 +282,15 @@ def owned_keys_by_block(layers: str, first: Sequence[str] = (), last: Sequence[s
 
     def owned_keys(model: torch.nn.Module, owned_block_indexes: set[int]) -> set[str]:
         state = model.state_dict(keep_vars=True)
-        blocks = {int(k[len(prefix) :].split(".", 1)[0]) for k in state if k.startswith(prefix)}
+        index = {k: _block_index(k, prefix) for k in state}
+        blocks = {i for i in index.values() if i is not None}
         if not blocks:
-            raise ConfigError(f"owned_keys_by_block: the model has no keys under {prefix!r}")
+            raise ConfigError(f"owned_keys_by_block: the model has no keys under {prefix!r}<index>.")
         has_first, has_last = min(blocks) in owned_block_indexes, max(blocks) in owned_block_indexes
         keep = set()
         for key in state:
-            if key.startswith(prefix):
-                if int(key[len(prefix) :].split(".", 1)[0]) in owned_block_indexes:
+            if index[key] is not None:
+                if index[key] in owned_block_indexes:
                     keep.add(key)
             elif under(key, first):
                 if has_first:
@@ -316,12 +328,7 @@ def create_local_shard_(
     return model
 
 
-_AUTO_CLASSES = (
-    "AutoModelForCausalLM",
-    "AutoModelForConditionalGeneration",
-    "AutoModelForImageTextToText",
-    "AutoModel",
-)
+_AUTO_CLASSES = "AutoModelForCausalLM AutoModelForConditionalGeneration AutoModelForImageTextToText AutoModel".split()
 
 
 def _build(model_config: Any, trust_remote_code: bool) -> torch.nn.Module:

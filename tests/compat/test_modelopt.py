@@ -49,6 +49,9 @@ def test_load_state_dict_to_shards_in_one_process():
     assert_same(source.state_dict(), shard.state_dict())
     with pytest.raises(ConfigError, match="loaded_state_dict"):
         modelopt.load_state_dict_to_shards(shard)
+    partial = {k: v for k, v in source.state_dict().items() if k != "1.bias"}
+    with pytest.raises(KeyMismatchError, match=r"1\.bias"):
+        modelopt.load_state_dict_to_shards(shard, partial)
 
 
 def full_model() -> torch.nn.Sequential:
