@@ -312,7 +312,8 @@ def create_local_shard_(
     ``owned_keys(model, owned_block_indexes)`` from its module; returns ``model``.
 
     (ModelOpt swaps in dummy modules that pass activations through its pipeline runtime; here the
-    modules stay, without the tensors this rank does not own.)
+    modules stay, without the tensors this rank does not own.  ``runtime`` is kept for ModelOpt's
+    signature and not used.)
     """
     state = model.state_dict(keep_vars=True)
     keep = set(owned_keys(model, set(owned_block_indexes)))
@@ -400,7 +401,7 @@ def load_and_shard_model(
     import transformers
 
     _, rank, world = _group()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))  # ModelOpt: the global rank without it
     runtime = ShardRuntime(
         device=torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu"),
         dtype=dtype,
