@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,6 +28,7 @@ from ckptd.compat import modelopt as ours
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # ModelOpt resolves paths with huggingface_hub: never go online
 transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
 real = pytest.importorskip("modelopt.torch.puzzletron.tools.sharded_checkpoint_utils")
 descriptor_base = pytest.importorskip("modelopt.torch.puzzletron.anymodel.model_descriptor.base")
 
@@ -114,6 +116,16 @@ def test_load_sharded_state_dict_same_keys_and_tensors(model, dirs, layout, keys
         expected = {k: v for k, v in expected.items() if k in keys_to_load}
     assert_same(expected, mine)
     assert_same(mine, ours.load_sharded_state_dict(dirs[layout], keys_to_load, torch.device("cpu")))  # a Path
+
+
+def test_single_file_wins_over_an_index(dirs, tmp_path):
+    both = tmp_path / "both"
+    shutil.copytree(dirs["hf_sharded"], both)
+    safetensors_torch.save_file({"only.single": torch.arange(3.0)}, str(both / "model.safetensors"), {"format": "pt"})
+    theirs = real.load_sharded_state_dict(str(both))
+    assert_same({"only.single": torch.arange(3.0)}, theirs)
+    assert_same(theirs, ours.load_sharded_state_dict(str(both)))
+    assert_same(theirs, ours.load_sharded_state_dict(str(both), ["only.single", "transformer.wte.weight"]))
 
 
 def test_is_in_safetensors_format_agrees(dirs):
