@@ -15,11 +15,11 @@ Sharding mix (Megatron-style): tensor parallel TP=min(8, W), pipeline PP=min(4, 
 parallel DP=W/(TP*PP); 16,384 ranks = TP 8 x PP 4 x DP 512.  Each rank holds ``tensors``
 tensors of its pipeline stage in component ``model``: two thirds split by rows across the TP
 group (sharded, ``main`` only on DP replica 0), one third replicated plain tensors (norms,
-biases); plus one per-rank tensor (``rng@rank<r>``).  So there are 2 x TP x PP distinct model
-layouts and W distinct per-rank ones.
+biases).  So there are 2 x TP x PP distinct layouts.  With ``--per-rank`` every rank also holds
+one per-rank tensor (``rng@rank<r>``, its own file and index): W more distinct layouts.
 
 Run: ``python benchmarks/bench_coordination.py [--worlds 8,64,512,4096,16384] [--tensors 1000]
-[--plot docs/coordination.png]``.  Prints a table per phase (first save / cached save):
+[--plot docs/coordination.png] [--per-rank]``.  Prints a table per phase (first save / cached save):
 seconds, coordinator bytes received+sent, bytes per other rank, peak traced memory
 (tracemalloc) of the coordinator's planning and of the manifest build+write, and fitted growth
 exponents in world size.
@@ -98,7 +98,7 @@ class Measure:
 class _Simulation:
     """Every rank of one job, saving again and again."""
 
-    def __init__(self, world: int, tensors: int, root: str) -> None:
+    def __init__(self, world: int, tensors: int, root: str, per_rank: bool) -> None:
         self.world = world
         self.root = root
         self.layouts: dict[tuple[int, int, bool], tuple[Any, dict[bytes, tuple[LocalTensor, ...]]]] = {}
@@ -109,10 +109,14 @@ class _Simulation:
         self.briefs: list[Brief] = []
         for rank in range(world):
             layout, known = self.layouts[self._class(rank)]
-            rng_layout, rng = layout_of([LocalTensor(f"rng@rank{rank}", "state", "U8", (5056,), (0,), (5056,))])
-            self.descriptions.append({**known, **rng})
-            trees = {f"rng@rank{rank}": {"__tensor__": "state"}}
-            self.briefs.append(Brief(rank, layout + rng_layout, trees, {}, {}, None))
+            trees: dict[str, Any] = {}
+            if per_rank:
+                rng_layout, rng = layout_of([LocalTensor(f"rng@rank{rank}", "state", "U8", (5056,), (0,), (5056,))])
+                known = {**known, **rng}
+                layout = layout + rng_layout
+                trees = {f"rng@rank{rank}": {"__tensor__": "state"}}
+            self.descriptions.append(known)
+            self.briefs.append(Brief(rank, layout, trees, {}, {}, None))
         self.held = [b""] * world
         context = DistContext(rank=0, world_size=world, coordinator=0, group=None, store=None, timeout=60.0)
         self.exchange = Exchange(context, root, PlanBook(2**30, shared_files=True, separate_frozen=False))
@@ -214,13 +218,14 @@ def _run(fn: Callable[[], Any], trace: bool) -> tuple[Any, float, int]:
     return out, seconds, peak
 
 
-def simulate(world: int, tensors: int, root: str, trace: bool = True) -> list[Measure]:
-    """A first save and a cached save at ``world`` ranks: timed runs, then traced ones."""
-    simulation = _Simulation(world, tensors, root)
+def simulate(world: int, tensors: int, root: str, trace: bool = True, per_rank: bool = False) -> list[Measure]:
+    """A first save and a cached save at ``world`` ranks: timed runs, then traced ones (with
+    ``per_rank``, every rank also saves a per-rank component: its own file and index)."""
+    simulation = _Simulation(world, tensors, root, per_rank)
     first = simulation.save("first", trace=False)
     cached = simulation.save("cached", trace=False)
     if trace:
-        traced = _Simulation(world, tensors, root + "-traced")
+        traced = _Simulation(world, tensors, root + "-traced", per_rank)
         first.plan_peak, first.commit_peak = _peaks(traced.save("first", trace=True))
         cached.plan_peak, cached.commit_peak = _peaks(traced.save("cached", trace=True))
     return [first, cached]
@@ -297,11 +302,13 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=1000)
     parser.add_argument("--plot", default="")
     parser.add_argument("--no-trace", action="store_true", help="skip the tracemalloc runs")
+    parser.add_argument("--per-rank", action="store_true", help="add a per-rank component (RNG state) on every rank")
     args = parser.parse_args()
     measures: list[Measure] = []
     with tempfile.TemporaryDirectory() as tmp:
         for world in (int(w) for w in args.worlds.split(",")):
-            measures.extend(simulate(world, args.tensors, str(Path(tmp, str(world))), trace=not args.no_trace))
+            root = str(Path(tmp, str(world)))
+            measures.extend(simulate(world, args.tensors, root, trace=not args.no_trace, per_rank=args.per_rank))
             print(table(measures[-2:]).splitlines()[-2:], flush=True, file=sys.stderr)
     print(table(measures))
     print()
