@@ -172,8 +172,11 @@ class _Simulation:
         return measure
 
     def _deliver(self, answers: list[Assignment], received: list[int], sent: list[int]) -> None:
+        pickled: dict[int, int] = {}  # as DistContext.scatter: an answer shared by many ranks is pickled once
         for rank, answer in enumerate(answers):
-            size = len(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+            size = pickled.get(id(answer)) or pickled.setdefault(
+                id(answer), len(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+            )
             if rank:
                 received[rank] += size
                 sent[0] += size

@@ -156,7 +156,11 @@ class DistContext:
         if self.is_coordinator:
             if parts is None or len(parts) != self.world_size:
                 raise ValueError("the coordinator scatters exactly one part per rank")
-            data = [pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL) for p in parts]
+            pickled: dict[int, bytes] = {}  # by id: a part given for many ranks is pickled once
+            data = [
+                pickled.get(id(p)) or pickled.setdefault(id(p), pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL))
+                for p in parts
+            ]
             sent = sum(len(b) for i, b in enumerate(data) if i != self.rank)
         out: list[Any] = [None]
         try:

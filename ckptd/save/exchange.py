@@ -187,8 +187,14 @@ class PlanBook:
         if plan is None:
             raise RuntimeError("assignments() before plan_for()")
         out = []
+        shared: Assignment | None = None  # the answer of every rank that holds its plan and reuses nothing
         for brief, rank_plan in zip(briefs, plan.ranks, strict=True):
             reused, hashed = _reuse_of(rank_plan, reuse)
+            if brief.held == self.plan_id and not reused and not hashed:
+                if shared is None:
+                    shared = Assignment(plan_id=self.plan_id, key=key, staging=staging)
+                out.append(shared)  # one object: the scatter pickles it once
+                continue
             send_plan = None if brief.held == self.plan_id else rank_plan
             out.append(
                 Assignment(
