@@ -1,4 +1,4 @@
-"""The torch.distributed seam: who we are, one collective per save, and the c10d store.
+"""The torch.distributed seam: who we are, the collectives of a save, and the c10d store.
 
 Planning runs on the caller's thread, inside ``async_save``, where a collective is safe: every
 rank sends a small brief to the coordinator (``gather_object``) and receives only its own part of
