@@ -190,8 +190,8 @@ class Checkpointer:
         mutate or free its tensors.  If ``max_in_flight`` saves are still being written, this
         waits for one to finish first (back-pressure; reported as ``timings["wait"]``).
 
-        Under torch.distributed every rank calls it (it runs one collective to plan).  Plain
-        tensors are treated as replicated and written once; DTensors and
+        Under torch.distributed every rank calls it (two small collectives with the coordinator;
+        four when the layout changed).  Plain tensors are treated as replicated and written once; DTensors and
         :class:`~ckptd.ShardedTensor` pieces are written by their main replicas.  ``sharing``
         overrides that per component: ``{"rng": "per_rank", "scheduler": "global"}`` (see
         :class:`~ckptd.Sharing`).

@@ -127,8 +127,9 @@ class CheckpointerOptions:
         ``cleanup_timeout``: seconds ``close()`` keeps retrying removal of failed saves' leftovers.
     Distributed:
         ``coordinator_rank``: the rank that commits.  ``dist_timeout``: seconds any rank waits for
-        another during a save (``CKPTD_DIST_TIMEOUT``).  ``no_dist``: save from this process alone
-        even under torch.distributed (as DCP's ``no_dist``).
+        another during a save, including the check-in before its collectives: a rank that does not
+        arrive in time is named in a ``DistributedSaveError`` on every rank (``CKPTD_DIST_TIMEOUT``).
+        ``no_dist``: save from this process alone even under torch.distributed (as DCP's ``no_dist``).
     """
 
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE

@@ -1,19 +1,22 @@
-"""The torch.distributed seam: who we are, one collective per save, and the c10d store.
+"""The torch.distributed seam: who we are, the collectives of a save, and the c10d store.
 
 Planning runs on the caller's thread, inside ``async_save``, where a collective is safe: every
-rank contributes its description with one ``all_gather_object`` on a CPU (gloo) group.  Everything
-after that (waiting for other ranks' writes, the commit, failures) happens on background threads
-and must not issue collectives on the training group, so it goes through the c10d key-value store
-with per-save keys and deadlines instead.
+rank sends a small brief to the coordinator (``gather_object``) and receives only its own part of
+the plan back (``scatter_object_list``), on a CPU (gloo) group.  Everything after that (waiting
+for other ranks' writes, the commit, failures) happens on background threads and must not issue
+collectives on the training group, so it goes through the c10d key-value store with per-save
+keys and deadlines instead.  :attr:`DistContext.traffic` counts what this rank sent and received
+through the collectives and which store keys it created (read by tests and benchmarks).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import pickle
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -21,7 +24,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError, DistributedSaveError
 
-__all__ = ["DistContext", "Sharing", "group_leader", "group_leaders", "normalize_sharing", "rank_failure"]
+__all__ = ["DistContext", "Sharing", "Traffic", "group_leader", "group_leaders", "normalize_sharing", "rank_failure"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,16 @@ def group_leader(group: Any) -> int:
 
 
 @dataclass
+class Traffic:
+    """What one rank exchanged for its saves: collectives, pickled bytes, c10d store keys."""
+
+    collectives: int = 0
+    sent: int = 0  # pickled bytes this rank put into collectives
+    received: int = 0  # pickled bytes it got out of them
+    keys: set[str] = field(default_factory=set)  # store keys it created (deleted ones stay listed)
+
+
+@dataclass
 class DistContext:
     """This process's place in a multi-rank run."""
 
@@ -87,6 +100,7 @@ class DistContext:
     group: Any
     store: Any
     timeout: float
+    traffic: Traffic = field(default_factory=Traffic)
 
     @classmethod
     def detect(cls, process_group: Any = None, coordinator: int = 0, timeout: float = 600.0) -> DistContext | None:
@@ -111,21 +125,73 @@ class DistContext:
         return self.rank == self.coordinator
 
     def all_gather(self, payload: Any) -> list[Any]:
-        """Every rank's ``payload``, in rank order (the one collective of a save)."""
+        """Every rank's ``payload``, in rank order."""
         out: list[Any] = [None] * self.world_size
+        data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            dist.all_gather_object(out, payload, group=self.group)
+            dist.all_gather_object(out, data, group=self.group)
         except Exception as e:  # gloo reports a dead peer as one of several error types
-            raise DistributedSaveError(
-                f"planning the save failed: the collective over {self.world_size} ranks did not complete "
-                f"(a rank died, or did not call async_save/prepare): {e}"
-            ) from e
-        return out
+            raise self._collective_failed(e) from e
+        self._count(len(data), sum(len(b) for b in out))
+        return [pickle.loads(b) for b in out]
+
+    def gather(self, payload: Any) -> list[Any] | None:
+        """Every rank's ``payload`` in rank order on the coordinator; ``None`` on the others."""
+        data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        try:
+            dist.gather_object(data, out, dst=self._global(self.coordinator), group=self.group)
+        except Exception as e:
+            raise self._collective_failed(e) from e
+        if out is None:
+            self._count(len(data), 0)
+            return None
+        self._count(len(data), sum(len(b) for i, b in enumerate(out) if i != self.rank))
+        return [pickle.loads(b) for b in out]
+
+    def scatter(self, parts: list[Any] | None) -> Any:
+        """This rank's item of the coordinator's ``parts`` (one per rank; ``None`` elsewhere)."""
+        sent = 0
+        data = None
+        if self.is_coordinator:
+            if parts is None or len(parts) != self.world_size:
+                raise ValueError("the coordinator scatters exactly one part per rank")
+            pickled: dict[int, bytes] = {}  # by id: a part given for many ranks is pickled once
+            data = [
+                pickled.get(id(p)) or pickled.setdefault(id(p), pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL))
+                for p in parts
+            ]
+            sent = sum(len(b) for i, b in enumerate(data) if i != self.rank)
+        out: list[Any] = [None]
+        try:
+            dist.scatter_object_list(out, data, src=self._global(self.coordinator), group=self.group)
+        except Exception as e:
+            raise self._collective_failed(e) from e
+        self._count(sent, 0 if self.is_coordinator else len(out[0]))
+        return pickle.loads(out[0])
+
+    def _count(self, sent: int, received: int) -> None:
+        self.traffic.collectives += 1
+        self.traffic.sent += sent
+        self.traffic.received += received
+
+    def _global(self, rank: int) -> int:
+        """The global rank of ``rank`` of our group (collectives name their root globally)."""
+        if self.group is None or self.group is dist.group.WORLD:
+            return rank
+        return int(dist.get_global_rank(self.group, rank))
+
+    def _collective_failed(self, error: BaseException) -> DistributedSaveError:
+        return DistributedSaveError(
+            f"planning the save failed: the collective over {self.world_size} ranks did not complete "
+            f"(a rank died, or did not call async_save/prepare): {error}"
+        )
 
     # ---- the store ------------------------------------------------------------------------
 
     def post(self, key: str, value: dict[str, Any]) -> None:
         """Publish ``value`` (JSON) under ``key`` for the other ranks."""
+        self.traffic.keys.add(f"ckptd/{key}")
         try:
             self.store.set(f"ckptd/{key}", json.dumps(value))
         except Exception as e:

@@ -51,28 +51,36 @@ def _gf2_square(matrix: list[int]) -> list[int]:
     return [_gf2_times(matrix, matrix[n]) for n in range(32)]
 
 
+def _zero_operators() -> list[list[int]]:
+    """The operators that append 2**k zero bytes to a CRC, k = 0..63 (built once: each combine
+    then costs one matrix-vector product per set bit of the length)."""
+    operator = [_POLY] + [1 << n for n in range(31)]  # one zero bit
+    for _ in range(3):
+        operator = _gf2_square(operator)  # 2, 4, 8 zero bits: one byte
+    out = [operator]
+    for _ in range(63):
+        out.append(_gf2_square(out[-1]))
+    return out
+
+
+_ZERO_OPERATORS: list[list[int]] = []
+
+
 def crc32c_combine(crc_a: int, crc_b: int, length_b: int) -> int:
     """CRC32C of ``A + B`` from CRC32C(A), CRC32C(B) and ``len(B)``, without the data.
 
     Lets ranks that wrote different parts of one shared file checksum only their own bytes.
-    (The GF(2) matrix method of zlib's ``crc32_combine``, with the Castagnoli polynomial.)
+    (The GF(2) matrix method of zlib's ``crc32_combine``, with the Castagnoli polynomial; the
+    powers of the zero-byte operator are computed once per process.)
     """
     if length_b <= 0:
         return crc_a
-    odd = [_POLY] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = _gf2_square(odd)  # two zero bits
-    odd = _gf2_square(even)  # four zero bits
-    while True:
-        even = _gf2_square(odd)  # apply len2 zeros (first pass: one byte)
+    if not _ZERO_OPERATORS:
+        _ZERO_OPERATORS.extend(_zero_operators())
+    bit = 0
+    while length_b:
         if length_b & 1:
-            crc_a = _gf2_times(even, crc_a)
+            crc_a = _gf2_times(_ZERO_OPERATORS[bit], crc_a)
         length_b >>= 1
-        if not length_b:
-            break
-        odd = _gf2_square(even)
-        if length_b & 1:
-            crc_a = _gf2_times(odd, crc_a)
-        length_b >>= 1
-        if not length_b:
-            break
+        bit += 1
     return crc_a ^ crc_b

@@ -1,12 +1,13 @@
-"""What each rank contributes to a save's plan, and the one collective that gathers it.
+"""What each rank contributes to a save's plan.
 
 A rank flattens its state into components (named per rank or per group where the sharing
-pattern asks for it), describes every tensor it holds as a :class:`~ckptd.save.plan.LocalTensor`,
-and sends that :class:`Payload` to every rank with one ``all_gather_object``.  A rank that cannot
-describe its state sends its error in the same collective, so every rank raises instead of
-hanging, and every rank raises the same type: a :class:`~ckptd.errors.DistributedSaveError`
-naming the failed ranks and their causes (on a failed rank, its own exception is the
-``__cause__``), unless all ranks failed alike with a ckptd error, which each rank then raises.
+pattern asks for it) and describes every tensor it holds as a :class:`~ckptd.save.plan.LocalTensor`,
+in a :class:`Payload`.  :mod:`ckptd.save.exchange` sends the coordinator digests of it (and the
+descriptions the coordinator does not know yet).  A rank that cannot describe its state reports
+its error instead, so every rank raises instead of hanging, and every rank raises the same type
+(:func:`planning_failure`): a :class:`~ckptd.errors.DistributedSaveError` naming the failed ranks
+and their causes (on a failed rank, its own exception is the ``__cause__``), unless all ranks
+failed alike with a ckptd error, which each rank then raises.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import secrets
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,12 +27,13 @@ from ..storage import Storage
 from .flatten import FlatComponent, flatten_component
 from .plan import LocalTensor
 
-__all__ = ["Describer", "Payload"]
+__all__ = ["Describer", "Payload", "planning_failure"]
 
 
 @dataclass(frozen=True)
 class Payload:
-    """What one rank contributes to the plan (sent to every rank; picklable)."""
+    """What one rank contributes to the plan (its descriptions, its components' non-tensor
+    state; on the coordinator the save's staging directory)."""
 
     rank: int
     locals: tuple[LocalTensor, ...] = ()
@@ -45,7 +47,7 @@ class Payload:
 
 
 class Describer:
-    """This rank's side of planning: flatten, describe, gather."""
+    """This rank's side of planning: flatten, describe."""
 
     def __init__(self, storage: Storage, root: str, dist: DistContext | None) -> None:
         self.storage = storage
@@ -110,28 +112,6 @@ class Describer:
             staging = self.storage.join(self.root, staging_dir_name(step))
         return Payload(self.rank, tuple(locals_), trees, tied, sharing, token, staging, last_committed)
 
-    def gather(self, describe: Callable[[], Payload]) -> tuple[Payload, ...]:
-        """Every rank's description (the one collective of a save).  A rank that cannot describe
-        its state says so in the same collective, so every rank raises instead of hanging."""
-        own_error: BaseException | None = None
-        try:
-            payload = describe()
-        except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here below
-            own_error = e
-            payload = Payload(self.rank, error=(type(e).__name__, str(e)))
-        if self.dist is None:
-            if own_error is not None:
-                raise own_error
-            return (payload,)
-        payloads = tuple(self.dist.all_gather(payload))
-        errors = _error_of(payloads)
-        if errors:
-            failure = _planning_failure(errors, len(payloads), own_error)
-            if failure is own_error:
-                raise own_error
-            raise failure from own_error
-        return payloads
-
 
 def _describe(flat: FlatComponent) -> list[LocalTensor]:
     out = []
@@ -157,11 +137,7 @@ def _describe(flat: FlatComponent) -> list[LocalTensor]:
     return out
 
 
-def _error_of(payloads: Sequence[Payload]) -> dict[int, tuple[str, str]]:
-    return {p.rank: p.error for p in payloads if p.error is not None}
-
-
-def _planning_failure(
+def planning_failure(
     errors: dict[int, tuple[str, str]], world_size: int, own_error: BaseException | None
 ) -> BaseException:
     """The error every rank raises (the same type on all: they all see the same payloads)."""

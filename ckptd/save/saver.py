@@ -1,8 +1,9 @@
 """One save, from the caller's ``async_save`` to the commit, on one rank or many.
 
-Caller's thread (:meth:`Saver.start`): describe the local state, gather every rank's description
-(the single collective), plan, choose what an incremental save reuses
-(:mod:`~ckptd.save.incremental`), stage this rank's pieces into its arena.  Completion thread
+Caller's thread (:meth:`Saver.start`): describe the local state, agree on the plan with the
+coordinator (:mod:`~ckptd.save.exchange`: digests, a cached plan, this rank's part only), let the
+coordinator choose what an incremental save reuses (:mod:`~ckptd.save.incremental`), stage this
+rank's pieces into its arena.  Completion thread
 (:meth:`Saver.complete`), in the order of the :class:`~ckptd.save.coordinate.Coordinator`
 protocol: the coordinator prepares the destination (staging directory, or the object-store
 claim), every rank writes its pieces through its writer process and reports, the coordinator
@@ -15,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ from .arena import StageHandle, StagingArena, StagingPool, StepGuard
 from .commit import ComponentInfo, claim_step, finalize_checkpoint
 from .coordinate import Coordinator, Outcome, Report, Round, SoloCoordinator, StoreCoordinator
 from .describe import Describer, Payload
+from .exchange import Exchange, PlanBook, Planned, planned_alone
 from .flatten import FlatComponent
 from .incremental import IncrementalPolicy, Reuse
 from .plan import RankPlan, SavePlan, plan_save
@@ -63,9 +65,10 @@ class SaveJob:
     request: SaveRequest
     arena: StagingArena | None
     handle: StageHandle | None
-    plan: SavePlan
+    plan: SavePlan | None  # the whole plan, on the coordinator only
+    rank_plan: RankPlan  # what this rank stages and writes
     reuse: Reuse  # files not written (the previous save's, referenced), or written unless unchanged
-    payloads: tuple[Payload, ...]
+    planned: Planned  # the coordinator's: every rank's non-tensor state, for the manifest
     key: str
     staging: str
     metadata: dict[str, Any]
@@ -104,7 +107,13 @@ class Saver:
         self.describer = Describer(storage, root, dist)
         self.incremental = IncrementalPolicy(storage, root, options.incremental)
         self.coordinator: Coordinator = coordinator or (StoreCoordinator(dist) if dist else SoloCoordinator())
-        self._plan: SavePlan | None = None  # the last plan: the next save of the same layout reuses it
+        self._plan: SavePlan | None = None  # one process: the last plan, reused for the same layout
+        self.exchange: Exchange | None = None
+        if dist is not None:
+            book = PlanBook(
+                options.max_shard_size, shared_files=storage.local, separate_frozen=bool(options.incremental)
+            )
+            self.exchange = Exchange(dist, root, book)
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-stage")
         self.guard = StepGuard()
         self.stats = new_recorder(root, self.rank)  # every finished save (read by Checkpointer.stats)
@@ -147,13 +156,9 @@ class Saver:
                     raise CheckpointExistsError(f"checkpoint {final} already exists; pass overwrite=True to replace it")
             return self.describer.payload(flats, step, self.incremental.last_path)
 
-        payloads = self.describer.gather(describe)
-        plan = self._plan_for(payloads)
-        planned = time.perf_counter()
-        coordinator = payloads[self.dist.coordinator if self.dist else 0]
-        key = f"{coordinator.token}"
-        rank_plan = plan.ranks[self.rank]
-        reuse = self.incremental.select(plan, final, [p.last_committed for p in payloads])
+        planned = self._agree(describe, f"save of step {step}", final)
+        planned_at = time.perf_counter()
+        key, rank_plan, reuse = planned.key, planned.rank_plan, planned.reuse
         arena: StagingArena | None = None
         handle: StageHandle | None = None
         waited = 0.0
@@ -176,7 +181,7 @@ class Saver:
                 raise
             raise failure from e  # what the other ranks raise too, this rank's error as the cause
         done = time.perf_counter()
-        request.timings.update(plan=planned - started, wait=waited, stage=done - staged_at, blocking=done - started)
+        request.timings.update(plan=planned_at - started, wait=waited, stage=done - staged_at, blocking=done - started)
         if handle is None or handle.done.is_set():
             request.staged.set()
         else:
@@ -186,11 +191,12 @@ class Saver:
             request=request,
             arena=arena,
             handle=handle,
-            plan=plan,
+            plan=planned.plan,
+            rank_plan=rank_plan,
             reuse=reuse,
-            payloads=payloads,
+            planned=planned,
             key=key,
-            staging=coordinator.staging or final,
+            staging=planned.staging or final,
             metadata=dict(metadata or {}),
             metrics=dict(metrics or {}),
             overwrite=overwrite,
@@ -202,10 +208,10 @@ class Saver:
         the arena's size.  The first save of the same layout then only copies."""
         describer = self.describer
         last = self.incremental.last_path
-        payloads = describer.gather(
-            lambda: describer.payload(describer.flatten(state, sharing or {}, allow_pickle), 0, last)
+        planned = self._agree(
+            lambda: describer.payload(describer.flatten(state, sharing or {}, allow_pickle), 0, last), "prepare", None
         )
-        rank_plan = self._plan_for(payloads).ranks[self.rank]
+        rank_plan = planned.rank_plan
         if not rank_plan.pieces:
             return 0
         arena, _ = self.pool.acquire(rank_plan)
@@ -213,19 +219,33 @@ class Saver:
         self.writer.ensure_running()  # hands the arena to the writer now, not at the first save
         return arena.size
 
-    def _plan_for(self, payloads: Sequence[Payload]) -> SavePlan:
-        locals_by_rank = [p.locals for p in payloads]
+    @property
+    def last_rank_plan(self) -> RankPlan | None:
+        """What this rank wrote (or would write) in the last planned save."""
+        if self.exchange is not None:
+            return self.exchange.rank_plan
+        return self._plan.ranks[0] if self._plan is not None else None
+
+    def _agree(self, describe: Callable[[], Payload], what: str, final: str | None) -> Planned:
+        """This rank's part of the plan (and, on the coordinator, the whole plan); ``final`` is
+        the destination of a save (``None`` when only preparing: nothing is reused)."""
+
+        def select(plan: SavePlan, last_committed: list[str | None]) -> Reuse:
+            return self.incremental.select(plan, final, last_committed) if final else Reuse({}, {})
+
+        if self.exchange is not None:
+            return self.exchange.run(describe, what, select)
+        payload = describe()
+        plan = self._plan_for(payload.locals)
+        return planned_alone(payload, plan, select(plan, [payload.last_committed]))
+
+    def _plan_for(self, locals_: Sequence[Any]) -> SavePlan:
         separate = bool(self.options.incremental)
-        signature = (
-            self.options.max_shard_size,
-            self.storage.local,
-            separate,
-            tuple(tuple(x) for x in locals_by_rank),
-        )
+        signature = (self.options.max_shard_size, self.storage.local, separate, ((tuple(locals_)),))
         if self._plan is not None and self._plan.signature == signature:
             return self._plan
         self._plan = plan_save(
-            locals_by_rank, self.options.max_shard_size, shared_files=self.storage.local, separate_frozen=separate
+            [locals_], self.options.max_shard_size, shared_files=self.storage.local, separate_frozen=separate
         )
         return self._plan
 
@@ -294,7 +314,7 @@ class Saver:
 
     def _write(self, job: SaveJob, timings: dict[str, float]) -> list[FileResult]:
         started = time.perf_counter()
-        rank_plan: RankPlan = job.plan.ranks[self.rank]
+        rank_plan = job.rank_plan
         try:
             if job.handle is not None:
                 job.handle.wait()  # background staging: the bytes must be in the arena
@@ -340,22 +360,18 @@ class Saver:
             self.pool.release(job.arena)
 
     def _commit(self, job: SaveJob, results: Sequence[FileResult], timings: dict[str, float]) -> Manifest:
-        trees: dict[str, Any] = {}
-        tied: dict[str, list[list[str]]] = {}
-        sharing: dict[str, str] = {}
-        for payload in job.payloads:
-            for name, tree in payload.trees.items():
-                trees.setdefault(name, tree)
-                tied.setdefault(name, payload.tied.get(name, []))
-                sharing.setdefault(name, payload.sharing.get(name, "replicated"))
+        plan = job.plan
+        if plan is None:
+            raise RuntimeError("only the coordinator commits")
+        trees, tied, sharing = job.planned.trees, job.planned.tied, job.planned.sharing
         return finalize_checkpoint(
             self.storage,
             job.staging,
             job.request.path,
             step=job.request.step,
-            written=combine_pieces(job.plan, results, job.reuse.reused, job.reuse.hashed),
-            expected_sizes={f.file_name: f.size for f in job.plan.files},
-            tensors=job.plan.tensors,
+            written=combine_pieces(plan, results, job.reuse.reused, job.reuse.hashed),
+            expected_sizes={f.file_name: f.size for f in plan.files},
+            tensors=plan.tensors,
             components=[ComponentInfo(name, "safetensors", tied[name], sharing=sharing[name]) for name in trees],
             trees=trees,
             metadata=job.metadata,
@@ -363,7 +379,7 @@ class Saver:
             timings=timings,
             overwrite=job.overwrite,
             fsync=self.options.fsync,
-            world_size=job.plan.world_size,
+            world_size=plan.world_size,
         )
 
     def _finish(self, job: SaveJob, outcome: Outcome) -> SaveResult:

@@ -62,7 +62,7 @@ def save_sharded(rank: int, world: int, root: str) -> dict[str, object]:
     weights = full_weights()
     with ckptd.Checkpointer(root, dist_timeout=60) as ckpt:
         result = ckpt.async_save(1, {"model": sharded_state(rank, world, weights)}).wait(120)
-        written = ckpt._saver._plan.ranks[rank].bytes
+        written = ckpt._saver.last_rank_plan.bytes
     return {"path": result.path, "written": written}
 
 
@@ -122,7 +122,7 @@ def save_replicated_and_rng(rank: int, world: int, root: str) -> dict[str, objec
         torch.manual_seed(999)
         ckpt.load(3, into={"rng": ckptd.RNGState()})
         assert_same(after_save, torch.rand(3), f"rank {rank} rng")
-        written = ckpt._saver._plan.ranks[rank].bytes
+        written = ckpt._saver.last_rank_plan.bytes
     return {"path": result.path, "written": written, "state": model.state_dict()}
 
 
