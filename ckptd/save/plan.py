@@ -33,10 +33,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..dist.sharding import Box, ChunkInfo, validate_sharding
-from ..errors import ShardingError
+from ..errors import ConfigError, ShardingError
 from ..formats.manifest import ChunkRecord, TensorRecord
-from ..formats.names import shard_file_name
+from ..formats.names import shard_file_name, spread_file_name
 from ..formats.safetensors import DTYPE_ITEMSIZE
+from ..options import KEY_LAYOUTS
 from .layout import WriteItem, bucket_items, buckets, describe_tensors, file_offsets, plan_file
 
 __all__ = [
@@ -202,16 +203,21 @@ def plan_save(
     *,
     shared_files: bool = True,
     separate_frozen: bool = False,
+    key_layout: str = "flat",
 ) -> SavePlan:
     """Plan a save of every rank's tensors (``locals_by_rank[r]`` is rank ``r``'s list).
 
     ``shared_files`` allows several ranks to write one file (local storage); without it, every
     file has one writer and row-sharded tensors are stored as chunks.  ``separate_frozen`` puts
     frozen tensors in files of their own (after the others), so incremental saves can reuse them.
+    ``key_layout="spread"`` names each file ``<2 hex digits>/<shard name>`` (see
+    :func:`~ckptd.formats.names.spread_file_name`) instead of ``<shard name>``.
     Time is O(n log n) in the number of tensors (the sorts); everything else is linear.
     """
+    if key_layout not in KEY_LAYOUTS:
+        raise ConfigError(f"key_layout must be one of {', '.join(map(repr, KEY_LAYOUTS))}, got {key_layout!r}")
     with _cyclic_gc_paused():
-        return _plan_save(locals_by_rank, max_shard_size, shared_files, separate_frozen)
+        return _plan_save(locals_by_rank, max_shard_size, shared_files, separate_frozen, key_layout == "spread")
 
 
 @contextlib.contextmanager
@@ -236,6 +242,7 @@ def _plan_save(
     max_shard_size: int,
     shared_files: bool,
     separate_frozen: bool,
+    spread: bool = False,
 ) -> SavePlan:
     world = len(locals_by_rank)
     gathered = _gather(locals_by_rank)
@@ -286,6 +293,8 @@ def _plan_save(
             groups.extend((g, False) for g in _group_entries(entries, max_shard_size, shared_files))
         for number, (group, frozen_file) in enumerate(groups, start=1):
             file_name = shard_file_name(component, number, len(groups))
+            if spread:
+                file_name = spread_file_name(file_name)
             files.append(_plan_file(file_name, component, group, frozen_file, parts_by_rank, records, chunk_records))
     for i, tensor in general.items():
         if tensor.layout == "chunks":

@@ -225,7 +225,11 @@ class Saver:
         if self._plan is not None and self._plan.signature == signature:
             return self._plan
         self._plan = plan_save(
-            locals_by_rank, self.options.max_shard_size, shared_files=self.storage.local, separate_frozen=separate
+            locals_by_rank,
+            self.options.max_shard_size,
+            shared_files=self.storage.local,
+            separate_frozen=separate,
+            key_layout=self.options.key_layout,
         )
         return self._plan
 
@@ -285,6 +289,8 @@ class Saver:
             claim_step(self.storage, job.request.path, overwrite=job.overwrite)
         job.progress.owns_destination = True
         self.storage.makedirs(job.staging)
+        for subdirectory in sorted({f.file_name.rpartition("/")[0] for f in job.plan.files} - {""}):
+            self.storage.makedirs(self.storage.join(job.staging, subdirectory))  # key_layout="spread"
 
     def _discard(self, job: SaveJob) -> None:
         """Remove what a failed save wrote, but only if the destination is ours: a save that lost
