@@ -99,6 +99,12 @@ def test_spread_round_trip_keys_verify_index_consolidate_and_cli(root, tmp_path,
     assert "sizes and CRC32C match" in capsys.readouterr().out
     assert cli.main(["ls", root]) == 0
     assert "checkpoint-1" in capsys.readouterr().out
+    hf = str(tmp_path / "hf")
+    assert cli.main(["convert", result.path, hf, "-q"]) == 0
+    assert_same(expected, ckptd.load_checkpoint(hf))
+    back = str(tmp_path / "back")
+    assert cli.main(["convert", hf, back, "--to", "ckptd", "-q"]) == 0
+    assert_same(expected, ckptd.load_checkpoint(back))
 
 
 def test_corrupt_spread_shard_is_found_by_verify(root):
