@@ -160,3 +160,19 @@ def test_manifest_naming_a_path_outside_the_checkpoint_is_refused(root):
         ckpt.load(1)
     with pytest.raises(UnsafeCheckpointError, match=re.escape(hostile)):
         ckptd.load_checkpoint(result.path)
+
+
+def test_transformers_from_pretrained_reads_a_spread_checkpoint(root):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    with ckptd.Checkpointer(root, key_layout="spread", max_shard_size="4KB") as ckpt:
+        result = ckpt.save(1, {"model": model})
+    shards = [n for n in _manifest(result.path)["files"] if n.endswith(".safetensors")]
+    assert len(shards) > 2 and all(_SPREAD.match(n) for n in shards)
+    config.save_pretrained(result.path)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(result.path)
+    assert_same(model.state_dict(), loaded.state_dict())
