@@ -243,7 +243,7 @@ def _complete_manifest(storage: Storage, path: str) -> Manifest | None:
     manifest = read_manifest(storage, path)
     if manifest is None:
         return None
-    sizes = {name: size for name, size in storage.sizes(path).items()}
+    sizes = dict(storage.sizes(path))
     for name, record in manifest.files.items():
         if record.checkpoint is not None:
             continue
