@@ -176,3 +176,21 @@ def test_transformers_from_pretrained_reads_a_spread_checkpoint(root):
     config.save_pretrained(result.path)
     loaded = transformers.GPT2LMHeadModel.from_pretrained(result.path)
     assert_same(model.state_dict(), loaded.state_dict())
+
+
+def test_a_spread_checkpoint_left_aside_by_a_crash_is_recovered_only_when_complete(root):
+    from ckptd.catalog import collect_garbage
+    from ckptd.storage import LocalStorage
+
+    state = _state()
+    with ckptd.Checkpointer(root, key_layout="spread", max_shard_size="2KB") as ckpt:
+        complete = ckpt.save(1, {"model": state}).path
+        broken = ckpt.save(2, {"model": state}).path
+    shard = next(n for n in _manifest(broken)["files"] if n.endswith(".safetensors"))
+    os.remove(os.path.join(broken, *shard.split("/")))
+    for path in (complete, broken):  # as an overwrite interrupted before the new copy was in place
+        os.rename(path, os.path.join(root, f".{os.path.basename(path)}.replaced-0123abcd"))
+    collect_garbage(LocalStorage(), root, older_than=0)
+    assert os.path.isdir(complete), "complete: every file in its subdirectory, so it is restored"
+    assert not os.path.exists(broken), "a shard is missing from its subdirectory: not restored"
+    assert_same(state, ckptd.load_checkpoint(complete))
