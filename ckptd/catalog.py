@@ -243,9 +243,14 @@ def _complete_manifest(storage: Storage, path: str) -> Manifest | None:
     manifest = read_manifest(storage, path)
     if manifest is None:
         return None
-    sizes = storage.sizes(path)
+    sizes = dict(storage.sizes(path))
     for name, record in manifest.files.items():
-        if record.checkpoint is None and sizes.get(name) != record.size:
+        if record.checkpoint is not None:
+            continue
+        if "/" in name and name not in sizes:  # a file of the spread key layout: in a subdirectory
+            subdirectory = name.rpartition("/")[0]
+            sizes.update({f"{subdirectory}/{n}": s for n, s in storage.sizes(storage.join(path, subdirectory)).items()})
+        if sizes.get(name) != record.size:
             return None
     return manifest
 

@@ -22,6 +22,7 @@ from .storage.base import (
 )
 
 __all__ = [
+    "KEY_LAYOUTS",
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_MAX_IN_FLIGHT",
     "DEFAULT_MAX_SHARD_SIZE",
@@ -74,6 +75,9 @@ def parse_size(value: int | str, what: str = "size") -> int:
     raise ConfigError(f"{what} must be a positive int or a string like '2GB' or '512MiB', got {value!r}")
 
 
+KEY_LAYOUTS = ("flat", "spread")
+"""The values of ``CheckpointerOptions.key_layout``."""
+
 _ENV_SIZES = {
     "max_shard_size": "CKPTD_MAX_SHARD_SIZE",
     "chunk_size": "CKPTD_CHUNK_SIZE",
@@ -106,6 +110,11 @@ class CheckpointerOptions:
         ``allow_pickle``: allow arbitrary objects in the state (pickled); loading needs it too.
         ``incremental``: reuse unchanged files of the previous save (``True``: files of frozen
         tensors; ``"hash"``: also any file whose CRC32C the writer finds unchanged).
+        ``key_layout``: where shard files go in a checkpoint directory: ``"flat"`` (beside the
+        manifest, HF's layout) or ``"spread"`` (under a two-hex-digit subdirectory hashed from
+        the file name, ``checkpoint-N/3f/model-00001-of-00008.safetensors``), so many writers on
+        one object-store bucket spread their requests over many key prefixes.  Every loader
+        reads both (the manifest and the HF index record the relative paths).
     Staging and the writer process:
         ``staging``: default mode of ``async_save`` (``"blocking"`` or ``"background"``).
         ``max_in_flight``: staging arenas, i.e. saves that may be staged while earlier ones are
@@ -137,6 +146,7 @@ class CheckpointerOptions:
     keep_last: int | None = None
     allow_pickle: bool = False
     incremental: bool | str = False
+    key_layout: str = "flat"
     staging: str = "blocking"
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     write_threads: int | None = None
@@ -166,6 +176,8 @@ class CheckpointerOptions:
             raise ConfigError(f"staging must be 'blocking' or 'background', got {self.staging!r}")
         if self.incremental not in (False, True, "hash"):
             raise ConfigError(f"incremental must be False, True or 'hash', got {self.incremental!r}")
+        if self.key_layout not in KEY_LAYOUTS:
+            raise ConfigError(f"key_layout must be one of {', '.join(map(repr, KEY_LAYOUTS))}, got {self.key_layout!r}")
         if self.part_size < MIN_PART_SIZE:
             raise ConfigError(f"part_size must be at least 5 MiB (the S3 minimum), got {self.part_size}")
         if self.part_concurrency < 1 or self.retry_attempts < 1:

@@ -9,6 +9,7 @@ directories of saves in progress).  Only names: nothing here touches storage.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
@@ -37,6 +38,7 @@ __all__ = [
     "parse_step",
     "seed_shard_name",
     "shard_file_name",
+    "spread_file_name",
     "staging_dir_name",
 ]
 
@@ -71,6 +73,16 @@ _SEED_SHARD_RE = re.compile(r"^(?:model|pytorch_model)-\d{5}-of-\d{5}\.(?:safete
 def shard_file_name(component: str, index: int, count: int, extension: str = "safetensors") -> str:
     """HF-style shard name: ``model-00001-of-00003.safetensors``."""
     return f"{component}-{index:05d}-of-{count:05d}.{extension}"
+
+
+def spread_file_name(name: str) -> str:
+    """``name`` under a two-hex-digit subdirectory derived from it (``3f/model-00001-of-00008.safetensors``).
+
+    Object stores partition a bucket's request rate by key prefix; keys that differ right after
+    the checkpoint directory let the store split the load of many writers (or readers) over up
+    to 256 prefixes instead of one.  The digest is stable, so a name always maps to one place.
+    """
+    return f"{hashlib.sha256(name.encode()).hexdigest()[:2]}/{name}"
 
 
 def hf_index_name(component: str, kind: str = "safetensors") -> str:

@@ -100,19 +100,27 @@ def header_bytes(
     """:func:`build_header` of ``(key, dtype, shape, start, end)`` rows.
 
     The JSON is compact (as ``json.dumps`` with ``separators=(",", ":")`` and non-ASCII kept),
-    written row by row: a checkpoint may hold 100,000 tensors and this runs on the save path.
+    written row by row: a checkpoint may hold 100,000 tensors and this runs on the save path, so
+    the text of each dtype and of each shape is made once and reused (models repeat both).
     """
     meta = dict(metadata if metadata is not None else {"format": "pt"})
     parts = ['{"__metadata__":', json.dumps(meta, separators=(",", ":"), ensure_ascii=False)]
+    append = parts.append
+    dtype_texts: dict[str, str] = {}  # dtype -> ':{"dtype":"F32","shape":['
+    shape_texts: dict[tuple[int, ...], str] = {}  # shape -> '2,3],"data_offsets":['
     seen: set[str] = {"__metadata__"}
     for key, dtype, shape, start, end in rows:
         if key in seen:
             raise UnsupportedValueError(f"tensor key {key!r} appears twice in one safetensors header")
         seen.add(key)
-        dims = ",".join(map(str, shape))
-        parts.append(
-            f',{_json_string(key)}:{{"dtype":{_json_string(dtype)},"shape":[{dims}],"data_offsets":[{start},{end}]}}'
-        )
+        dtype_text = dtype_texts.get(dtype)
+        if dtype_text is None:
+            dtype_text = dtype_texts[dtype] = f':{{"dtype":{_json_string(dtype)},"shape":['
+        dims = shape if type(shape) is tuple else tuple(shape)
+        shape_text = shape_texts.get(dims)
+        if shape_text is None:
+            shape_text = shape_texts[dims] = ",".join(map(str, dims)) + '],"data_offsets":['
+        append(f",{_json_string(key)}{dtype_text}{shape_text}{start},{end}]}}")
     parts.append("}")
     text = "".join(parts).encode("utf-8")
     padded = text + b" " * (-len(text) % HEADER_ALIGNMENT)

@@ -164,9 +164,11 @@ class CheckpointReader:
         for name, record in manifest.files.items():
             holder = _holder(storage, directory, record.checkpoint)
             path = _safe_path(storage, holder, name, where)
-            if holder not in listings:
-                listings[holder] = storage.sizes(holder)
-            actual = listings[holder].get(name)
+            subdirectory, _, base = name.rpartition("/")  # "3f/model-...": the spread key layout
+            listed = storage.join(holder, subdirectory) if subdirectory else holder
+            if listed not in listings:
+                listings[listed] = storage.sizes(listed)
+            actual = listings[listed].get(base)
             if actual is None:
                 raise CorruptCheckpointError(f"{path}: listed in the manifest but missing")
             if actual != record.size:

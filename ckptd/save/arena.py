@@ -41,6 +41,16 @@ logger = logging.getLogger(__name__)
 _GROWTH_ALIGNMENT = 2 * 1024 * 1024
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (as torch gives them: a zero dimension
+    counts as one)."""
+    step, strides = 1, []
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 class StagingArena:
     """One shared-memory segment and the typed tensor views of its current layout."""
 
@@ -71,6 +81,8 @@ class StagingArena:
                 f"{plan.arena_size}: the staging pool handed out an arena too small for the plan"
             )
         views: list[tuple[str, str, str, torch.Tensor]] = []
+        typed: dict[str, tuple[torch.Tensor, int]] = {}  # dtype name -> the arena as that dtype, item size
+        strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> contiguous strides
         for piece in plan.pieces:
             for part in piece.parts:
                 start = piece.arena_offset + part.offset
@@ -78,7 +90,15 @@ class StagingArena:
                     header = torch.frombuffer(bytearray(part.header), dtype=torch.uint8)
                     base[start : start + part.nbytes].copy_(header)
                     continue
-                view = base[start : start + part.nbytes].view(dtype_from_name(part.dtype)).view(part.shape)
+                whole = typed.get(part.dtype)
+                if whole is None:
+                    dtype = dtype_from_name(part.dtype)
+                    whole = typed[part.dtype] = (base.view(dtype), dtype.itemsize)
+                if start % whole[1] == 0:  # always, for plans of ckptd: one view op per tensor
+                    stride = strides.get(part.shape) or strides.setdefault(part.shape, _contiguous_strides(part.shape))
+                    view = whole[0].as_strided(part.shape, stride, start // whole[1])
+                else:
+                    view = base[start : start + part.nbytes].view(dtype_from_name(part.dtype)).view(part.shape)
                 views.append((piece.file_name, part.component, part.key, view))
         self._views = views
         self.plan = plan

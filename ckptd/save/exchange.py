@@ -126,8 +126,10 @@ def planned_alone(payload: Payload, plan: SavePlan, reuse: Reuse) -> Planned:
 class PlanBook:
     """The coordinator's memory: one description per digest, and the last plan."""
 
-    def __init__(self, max_shard_size: int, *, shared_files: bool, separate_frozen: bool) -> None:
-        self.options = (max_shard_size, shared_files, separate_frozen)
+    def __init__(
+        self, max_shard_size: int, *, shared_files: bool, separate_frozen: bool, key_layout: str = "flat"
+    ) -> None:
+        self.options = (max_shard_size, shared_files, separate_frozen, key_layout)
         self.descriptions: dict[bytes, tuple[LocalTensor, ...]] = {}
         self.plan: SavePlan | None = None
         self.plan_id = b""
@@ -162,13 +164,14 @@ class PlanBook:
         plan_id = hasher.digest()
         if self.plan is not None and plan_id == self.plan_id:
             return self.plan
-        max_shard_size, shared_files, separate_frozen = self.options
+        max_shard_size, shared_files, separate_frozen, key_layout = self.options
         self.plan = plan_unique(
             layouts,
             self.descriptions,
             max_shard_size,
             shared_files=shared_files,
             separate_frozen=separate_frozen,
+            key_layout=key_layout,
             signature=(plan_id,),
         )
         self.plan_id = plan_id

@@ -37,6 +37,7 @@ def plan_unique(
     *,
     shared_files: bool = True,
     separate_frozen: bool = False,
+    key_layout: str = "flat",
     signature: tuple[object, ...] = (),
 ) -> SavePlan:
     """The plan of a save where rank ``r`` holds, for each ``(component, digest)`` of
@@ -62,7 +63,7 @@ def plan_unique(
     pieces_by_rank: list[list[Piece]] = [[] for _ in range(world)]
     files: list[FilePlan] = []
     tensors: dict[str, dict[str, TensorRecord]] = {}
-    options = {"shared_files": shared_files, "separate_frozen": separate_frozen}
+    options = {"shared_files": shared_files, "separate_frozen": separate_frozen, "key_layout": key_layout}
     if classes:
         keys = list(classes)
         virtual = [[t for _, digest in key for t in descriptions[digest]] for key in keys]

@@ -111,7 +111,10 @@ class Saver:
         self.exchange: Exchange | None = None
         if dist is not None:
             book = PlanBook(
-                options.max_shard_size, shared_files=storage.local, separate_frozen=bool(options.incremental)
+                options.max_shard_size,
+                shared_files=storage.local,
+                separate_frozen=bool(options.incremental),
+                key_layout=options.key_layout,
             )
             self.exchange = Exchange(dist, root, book)
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-stage")
@@ -241,11 +244,21 @@ class Saver:
 
     def _plan_for(self, locals_: Sequence[Any]) -> SavePlan:
         separate = bool(self.options.incremental)
-        signature = (self.options.max_shard_size, self.storage.local, separate, ((tuple(locals_)),))
+        signature = (
+            self.options.max_shard_size,
+            self.storage.local,
+            separate,
+            ((tuple(locals_)),),
+            self.options.key_layout,
+        )
         if self._plan is not None and self._plan.signature == signature:
             return self._plan
         self._plan = plan_save(
-            [locals_], self.options.max_shard_size, shared_files=self.storage.local, separate_frozen=separate
+            [locals_],
+            self.options.max_shard_size,
+            shared_files=self.storage.local,
+            separate_frozen=separate,
+            key_layout=self.options.key_layout,
         )
         return self._plan
 
@@ -305,6 +318,8 @@ class Saver:
             claim_step(self.storage, job.request.path, overwrite=job.overwrite)
         job.progress.owns_destination = True
         self.storage.makedirs(job.staging)
+        for subdirectory in sorted({f.file_name.rpartition("/")[0] for f in job.plan.files} - {""}):
+            self.storage.makedirs(self.storage.join(job.staging, subdirectory))  # key_layout="spread"
 
     def _discard(self, job: SaveJob) -> None:
         """Remove what a failed save wrote, but only if the destination is ours: a save that lost

@@ -97,8 +97,13 @@ def base_name(path: str) -> str:
 
 
 def check_file_name(name: str, where: str) -> str:
-    """Refuse names that could leave the checkpoint directory (``..``, separators, absolute)."""
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
+    """Refuse names that could leave the checkpoint directory (``..``, backslashes, absolute).
+
+    A name is a plain file name, or one subdirectory and a plain file name (``3f/model-00001-of-
+    00002.safetensors``: the ``spread`` key layout); neither part may be empty, ``.`` or ``..``.
+    """
+    parts = name.split("/")
+    if len(parts) > 2 or any(not part or part in (".", "..") for part in parts) or "\\" in name or "\x00" in name:
         raise UnsafeCheckpointError(f"{where}: file name {name!r} is not a plain name inside the checkpoint")
     return name
 

@@ -367,9 +367,21 @@ class LocalStorage:
         finally:
             os.close(fd)
 
-    def publish_directory(self, staging: str, final: str) -> None:
-        """fsync ``staging``, rename it to ``final`` and fsync the parent: the local commit point."""
+    def _fsync_directories(self, staging: str) -> None:
+        """fsync the subdirectories of ``staging`` (files of the ``spread`` key layout), then it."""
+        try:
+            with os.scandir(staging) as entries:
+                subdirectories = [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+        except OSError as e:
+            raise storage_error("list", staging, e) from e
+        for path in subdirectories:
+            self.fsync_directory(path)
         self.fsync_directory(staging)
+
+    def publish_directory(self, staging: str, final: str) -> None:
+        """fsync ``staging`` (and its subdirectories), rename it to ``final`` and fsync the parent:
+        the local commit point."""
+        self._fsync_directories(staging)
         try:
             os.rename(staging, final)
         except OSError as e:
@@ -392,7 +404,7 @@ class LocalStorage:
         """Atomically swap ``staging`` (fsynced first) with the existing ``final``, then fsync
         the parent: ``final`` is the new directory and ``staging`` holds the old one.  Returns
         False, having changed nothing, where the filesystem cannot exchange."""
-        self.fsync_directory(staging)
+        self._fsync_directories(staging)
         if not exchange_paths(staging, final):
             return False
         self.fsync_directory(os.path.dirname(final) or ".")

@@ -2,17 +2,30 @@
 
 Planning used to re-sum every file's items once per item (quadratic); these tests pin what the
 plan must say at that scale -- file sizes, non-overlapping offsets, every tensor exactly once --
-not how long it takes (``benchmarks/bench_plan.py`` measures that).
+and that each file is laid out once, not how long it takes (``benchmarks/bench_plan.py``
+measures that).  ``data/pinned_plans.json`` holds the plans of varied inputs as the planner made
+them before its fast path for plain tensors: a rewrite for speed must not change a byte.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import pathlib
 import struct
 
+import pytest
+from plan_cases import PLAN_CASES, plan_json
+
+import ckptd.save.layout
+import ckptd.save.plan
+from ckptd.errors import ShardingError
+from ckptd.formats.manifest import TensorRecord
 from ckptd.formats.safetensors import DTYPE_ITEMSIZE, parse_header
 from ckptd.save.plan import ARENA_ALIGNMENT, LocalTensor, SavePlan, plan_save
+
+_PINNED = pathlib.Path(__file__).parent / "data" / "pinned_plans.json"
 
 _DTYPES = ("F32", "BF16", "I64", "BOOL", "F64", "U8")
 
@@ -105,3 +118,62 @@ def test_plan_of_many_replicated_tensors_on_two_ranks_writes_each_once():
     assert {f.component for f in plan.files} == {"model", "optim"}
     assert all(rank_plan.pieces for rank_plan in plan.ranks), "one rank writes everything"
     _check_plan(plan, {"model": {t.key: t for t in model}, "optim": {t.key: t for t in optim}})
+
+
+@pytest.mark.parametrize("case", PLAN_CASES, ids=[case[0] for case in PLAN_CASES])
+def test_plan_equals_the_pinned_plan(case):
+    name, locals_by_rank, max_shard_size, shared_files, separate_frozen = case
+    pinned = json.loads(_PINNED.read_text())[name]
+    plan = plan_save(locals_by_rank, max_shard_size, shared_files=shared_files, separate_frozen=separate_frozen)
+    assert plan_json(plan) == pinned
+    assert plan.world_size == len(locals_by_rank)
+    expected = {(t.component, t.key) for local in locals_by_rank for t in local}
+    assert {(c, k) for c, records in plan.tensors.items() for k in records} == expected
+
+
+def test_each_file_is_laid_out_once_and_each_entry_once(monkeypatch):
+    """The layout of a file (header, offsets, size) is computed once per file over its own
+    entries: a quadratic planner (re-laying out a file per entry) fails here without a timer."""
+    layouts: list[int] = []
+    headers: list[int] = []
+    records = 0
+    real_offsets, real_header = ckptd.save.plan.file_offsets, ckptd.save.layout.header_bytes
+    real_whole = TensorRecord.whole
+
+    def file_offsets(keys, dtypes, shapes, sizes):
+        layouts.append(len(keys))
+        return real_offsets(keys, dtypes, shapes, sizes)
+
+    def header_bytes(rows, metadata=None):
+        rows = list(rows)
+        headers.append(len(rows))
+        return real_header(rows, metadata)
+
+    def whole(dtype, shape, file, start, end):
+        nonlocal records
+        records += 1
+        return real_whole(dtype, shape, file, start, end)
+
+    monkeypatch.setattr(ckptd.save.plan, "file_offsets", file_offsets)
+    monkeypatch.setattr(ckptd.save.layout, "header_bytes", header_bytes)
+    monkeypatch.setattr(TensorRecord, "whole", staticmethod(whole))
+    model = _tiny_tensors(3_000)
+    optim = _tiny_tensors(1_000, "optim")
+    plan = plan_save([model + optim, model + optim], max_shard_size=4 * 1024)
+    assert len(plan.files) > 4
+    assert len(layouts) == len(headers) == len(plan.files)
+    assert sum(layouts) == sum(headers) == records == 4_000
+    _check_plan(plan, {"model": {t.key: t for t in model}, "optim": {t.key: t for t in optim}})
+
+
+def test_replicas_that_disagree_are_refused_naming_both_ranks():
+    a = LocalTensor("model", "w", "F32", (4,), (0,), (4,))
+    b = LocalTensor("model", "w", "F16", (4,), (0,), (4,))
+    ok = LocalTensor("model", "v", "F32", (2,), (0,), (2,))
+    with pytest.raises(ShardingError, match=r"model.'w' is replicated but rank 2 holds F16\[4\] while rank 0 holds"):
+        plan_save([[ok, a], [ok, a], [b, ok]], 2**20)
+    sharded = LocalTensor("model", "w", "F32", (4,), (0,), (2,), sharded=True)
+    with pytest.raises(ShardingError, match=r"model.'w' is sharded on some ranks but a plain tensor on rank 0"):
+        plan_save([[a], [sharded]], 2**20)
+    with pytest.raises(ShardingError, match=r"model.'w' is sharded on some ranks but a plain tensor on rank 1"):
+        plan_save([[sharded], [a]], 2**20)
