@@ -1,18 +1,21 @@
 """Local reads of tensor bytes at the speed of the disk or the page cache, straight into targets.
 
 :func:`read_local` fills ``(offset, buffer)`` requests of local files from a small thread pool
-that lives as long as the process (recreated after a fork), so a load starts no threads:
+that lives as long as the process (recreated after a fork), so a load starts no threads.
+Ranges are cut at multiples of :data:`DIRECT_RUN` and read with ``preadv`` straight into the
+buffers, consecutive ranges of one file in one call, about 32 MiB per task.
 
-* byte ranges whose pages are all in the page cache (``mincore`` on a read-only mapping of the
-  file, which reads nothing) are read with ``preadv`` straight into the buffers, consecutive
-  ranges of one file in one call;
-* ranges not cached are read with ``O_DIRECT`` (no page cache copy to fill and evict, the disk
-  sees large requests, several in flight) into a page-aligned per-thread bounce buffer, in runs
-  of up to :data:`DIRECT_RUN` bytes that cover neighbouring ranges with one aligned read, then
-  copied out (``memmove`` drops the GIL).  A run reads at most 4 KiB more on each side than its
-  ranges, so a ``keys=`` load still reads about the bytes asked for;
-* a file system that refuses ``O_DIRECT`` (tmpfs, some FUSE and network file systems) is read
-  through the page cache instead, per file (at ``open``) or per run (``EINVAL`` at read time).
+``O_DIRECT`` (``direct=True``, or ``CKPTD_DIRECT_READS=1``; off by default): ranges whose pages
+are not all in the page cache (``cachestat(2)``, else ``mincore(2)`` of one page per MiB; nothing
+is read to find out) are read with ``O_DIRECT`` into a page-aligned per-thread bounce buffer, in
+aligned runs of up to :data:`DIRECT_RUN` bytes covering neighbouring ranges (at most 4 KiB more
+on each side), then copied out with ``memmove``.  Targets cannot take ``O_DIRECT`` reads
+themselves: torch's allocations and safetensors offsets are 64-byte aligned, and their offsets
+within a page differ.  Measured on the 2-core VM of ``docs/benchmarks.md``, that copy (memory
+copies at about 2 GiB/s there) made cold loads 2.4x slower than page-cache reads, which copy
+once too but overlap the copy with the disk's readahead; hence off by default.  A file system
+that refuses ``O_DIRECT`` (tmpfs, some FUSE and network file systems) is read through the page
+cache, per file (at ``open``) or per run (``EINVAL`` at read time).
 
 Each requested byte is read once.  Errors are :class:`~ckptd.errors.StorageError` naming the file.
 """
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 from ..errors import StorageError
 from ..storage import storage_error
 
-__all__ = ["DIRECT_RUN", "READ_THREADS", "read_local", "run_tasks"]
+__all__ = ["DEFAULT_DIRECT_READS", "DIRECT_RUN", "READ_THREADS", "direct_reads", "read_local", "run_tasks"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,8 @@ READ_THREADS = 4
 """Threads reading local files (and remote files, one file per task)."""
 DIRECT_RUN = 8 * 1024 * 1024
 """Bytes of one ``O_DIRECT`` read (the bounce buffer of each thread holds one run)."""
+DEFAULT_DIRECT_READS = False
+"""Read what is not in the page cache with ``O_DIRECT``; ``CKPTD_DIRECT_READS=1`` (or ``0``) overrides."""
 _CACHED_BATCH = 32 * 1024 * 1024
 _ALIGN = 4096
 _IOV_MAX = 1024
@@ -337,12 +342,26 @@ def _read_direct(file: _File, run: _Run) -> None:
         whole.release()
 
 
-def read_local(jobs: Sequence[tuple[str, Sequence[Request]]], *, direct: bool = True) -> None:
+def direct_reads() -> bool:
+    """Whether loads read uncached ranges with ``O_DIRECT``: ``CKPTD_DIRECT_READS`` (``1`` or
+    ``0``) if set, else :data:`DEFAULT_DIRECT_READS`."""
+    text = os.environ.get("CKPTD_DIRECT_READS", "").strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    return DEFAULT_DIRECT_READS
+
+
+def read_local(jobs: Sequence[tuple[str, Sequence[Request]]], *, direct: bool | None = None) -> None:
     """Fill every ``(offset, buffer)`` request of each ``(path, requests)`` job from its file.
 
-    ``direct=False`` reads everything through the page cache.  Requests of one file must not
-    overlap.  The caller checks sizes first; a short file raises :class:`StorageError`.
+    ``direct`` (default :func:`direct_reads`) reads ranges not in the page cache with
+    ``O_DIRECT``.  Requests of one file must not overlap.  The caller checks sizes first; a
+    short file raises :class:`StorageError`.
     """
+    if direct is None:
+        direct = direct_reads()
     files: list[_File] = []
     tasks: list[Callable[[], None]] = []
     try:
