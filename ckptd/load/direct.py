@@ -353,15 +353,18 @@ def direct_reads() -> bool:
     return DEFAULT_DIRECT_READS
 
 
-def read_local(jobs: Sequence[tuple[str, Sequence[Request]]], *, direct: bool | None = None) -> None:
+def read_local(
+    jobs: Sequence[tuple[str, Sequence[Request]]], *, direct: bool | None = None, every_range: bool = False
+) -> None:
     """Fill every ``(offset, buffer)`` request of each ``(path, requests)`` job from its file.
 
     ``direct`` (default :func:`direct_reads`) reads ranges not in the page cache with
-    ``O_DIRECT``.  Requests of one file must not overlap.  The caller checks sizes first; a
-    short file raises :class:`StorageError`.
+    ``O_DIRECT``; ``every_range=True`` reads every range that way, cached or not (to measure
+    the ``O_DIRECT`` path).  Requests of one file must not overlap.  The caller checks sizes
+    first; a short file raises :class:`StorageError`.
     """
     if direct is None:
-        direct = direct_reads()
+        direct = direct_reads() or every_range
     files: list[_File] = []
     tasks: list[Callable[[], None]] = []
     try:
@@ -373,7 +376,9 @@ def read_local(jobs: Sequence[tuple[str, Sequence[Request]]], *, direct: bool | 
                 continue
             cold: list[Request] = []
             cached: list[Request] = []
-            if direct:
+            if direct and every_range:
+                cold = pieces
+            elif direct:
                 residency = _Residency(file.fd, os.fstat(file.fd).st_size)
                 try:
                     for piece in pieces:
