@@ -36,7 +36,15 @@ from dataclasses import dataclass
 from ..errors import StorageError
 from ..storage import storage_error
 
-__all__ = ["DEFAULT_DIRECT_READS", "DIRECT_RUN", "READ_THREADS", "direct_reads", "read_local", "run_tasks"]
+__all__ = [
+    "DEFAULT_DIRECT_READS",
+    "DIRECT_RUN",
+    "READ_THREADS",
+    "cut_pieces",
+    "direct_reads",
+    "read_local",
+    "run_tasks",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -187,15 +195,16 @@ class _Run:
     members: tuple[Request, ...]
 
 
-def _pieces(requests: Sequence[Request]) -> list[Request]:
-    """The requests sorted by offset, each cut where it crosses a multiple of :data:`DIRECT_RUN`."""
+def cut_pieces(requests: Sequence[Request], size: int) -> list[Request]:
+    """The requests sorted by offset (as byte views), each cut where it crosses a multiple of
+    ``size`` in the file."""
     out: list[Request] = []
     for offset, buffer in sorted(requests, key=lambda r: r[0]):
         view = buffer.cast("B") if buffer.format != "B" else buffer
         done = 0
         while done < len(view):
             position = offset + done
-            cut = min(len(view) - done, (position // DIRECT_RUN + 1) * DIRECT_RUN - position)
+            cut = min(len(view) - done, (position // size + 1) * size - position)
             out.append((position, view[done : done + cut]))
             done += cut
     return out
@@ -371,7 +380,7 @@ def read_local(
         for path, requests in jobs:
             file = _File(path)
             files.append(file)
-            pieces = _pieces(requests)
+            pieces = cut_pieces(requests, DIRECT_RUN)
             if not pieces:
                 continue
             cold: list[Request] = []

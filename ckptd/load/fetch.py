@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +24,22 @@ from ..formats.manifest import TensorRecord
 from ..formats.safetensors import DTYPE_ITEMSIZE
 from ..formats.torch_dtypes import TORCH_DTYPES, dtype_from_name, dtype_name
 from ..storage import RangeReader
-from .direct import read_local, run_tasks
+from .direct import cut_pieces, read_local
 
-__all__ = ["Destination", "fetch_bin", "plan_requests", "preview", "read_requests", "tensor_memoryview"]
+REMOTE_RANGE = 16 * 1024 * 1024
+"""Bytes of one remote read (a ranged GET), as boto3's parallel downloads use."""
+DEFAULT_REMOTE_CONCURRENCY = 8
+
+__all__ = [
+    "DEFAULT_REMOTE_CONCURRENCY",
+    "REMOTE_RANGE",
+    "Destination",
+    "fetch_bin",
+    "plan_requests",
+    "preview",
+    "read_requests",
+    "tensor_memoryview",
+]
 
 
 def tensor_memoryview(tensor: torch.Tensor) -> memoryview:
@@ -135,14 +149,15 @@ def read_requests(
     path_of: Callable[[str], str],
     *,
     local: bool,
+    concurrency: int = DEFAULT_REMOTE_CONCURRENCY,
 ) -> None:
     """Fill ``{file: [(offset, buffer), ...]}`` requests (several components' at once).
 
     Every file is opened with ``open_file`` first, and its size checked against the furthest
     byte asked for.  Local files are then read by :func:`~ckptd.load.direct.read_local`
     (positional reads from the read pool, ``O_DIRECT`` for what is not in the page cache);
-    remote readers batch, coalesce and parallelise one file's ranges themselves, several files
-    at once.
+    remote files are read in slices of about :data:`REMOTE_RANGE` bytes, ``concurrency`` at once
+    over all files (each slice's ranges coalesced by the reader into one ranged request).
     """
     readers: dict[str, RangeReader] = {}
     try:
@@ -172,7 +187,24 @@ def read_requests(
 
             return run
 
-        run_tasks([task(file_name, wanted) for file_name, wanted in sorted(requests.items())])
+        # Remote files: ranges cut into slices of about REMOTE_RANGE bytes, each slice one
+        # read_many (one coalesced ranged GET, mostly), ``concurrency`` of them in flight over
+        # every file at once -- so one large tensor or one large shard is fetched in parallel.
+        tasks = [
+            task(file_name, batch)
+            for file_name, wanted in sorted(requests.items())
+            for batch in _batches(cut_pieces(wanted, REMOTE_RANGE), REMOTE_RANGE)
+        ]
+        if len(tasks) <= 1 or concurrency <= 1:
+            for run in tasks:
+                run()
+        else:
+            with ThreadPoolExecutor(min(concurrency, len(tasks)), thread_name_prefix="ckptd-get") as pool:
+                futures = [pool.submit(run) for run in tasks]
+                errors = [f.exception() for f in futures]
+            first = next((e for e in errors if e is not None), None)
+            if first is not None:
+                raise first
     finally:
         for reader in readers.values():
             reader.close()
@@ -211,3 +243,16 @@ def preview(keys: list[str], limit: int = 5) -> str:
         return "none"
     shown = ", ".join(repr(k) for k in keys[:limit])
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def _batches(pieces: list[tuple[int, memoryview]], size: int) -> list[list[tuple[int, memoryview]]]:
+    """Consecutive pieces grouped into batches of about ``size`` bytes (at least one each)."""
+    batches: list[list[tuple[int, memoryview]]] = []
+    filled = size
+    for piece in pieces:
+        if filled >= size:
+            batches.append([])
+            filled = 0
+        batches[-1].append(piece)
+        filled += len(piece[1])
+    return batches

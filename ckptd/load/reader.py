@@ -49,7 +49,7 @@ from ..storage import (
 )
 from .cache import FileCache
 from .dcp import DcpLayout, fetch_dcp, is_dcp, read_dcp_layout
-from .fetch import Destination, fetch_bin, plan_requests, preview, read_requests
+from .fetch import DEFAULT_REMOTE_CONCURRENCY, Destination, fetch_bin, plan_requests, preview, read_requests
 
 __all__ = [
     "CheckpointReader",
@@ -487,7 +487,9 @@ class CheckpointReader:
         for p in plans:
             for file_name, wanted in plan_requests(p.records, p.destinations, self.directory).items():
                 requests.setdefault(file_name, []).extend(wanted)
-        read_requests(requests, self._open, self._path, local=self.storage.local)
+        tuning = getattr(self.storage, "tuning", None)
+        concurrency = tuning.part_concurrency if tuning is not None else DEFAULT_REMOTE_CONCURRENCY
+        read_requests(requests, self._open, self._path, local=self.storage.local, concurrency=concurrency)
         for p in plans:
             p.done = True
 
