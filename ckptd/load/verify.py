@@ -11,7 +11,7 @@ order: ``crc(A + B) = shift(crc(A), len(B)) ^ crc(B)``, where ``shift`` by ``SPA
 from __future__ import annotations
 
 import itertools
-import threading
+import queue
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
@@ -60,29 +60,26 @@ def shift_operator(length: int) -> Matrix:
     return result
 
 
-_buffers = threading.local()
-
-
-def _buffer() -> memoryview:
-    """This thread's reusable span buffer."""
-    buffer = getattr(_buffers, "view", None)
-    if buffer is None or len(buffer) < SPAN:
-        buffer = _buffers.view = memoryview(bytearray(SPAN))
-    return buffer
-
-
 def file_crcs(files: Sequence[tuple[Callable[[], RangeReader], int]]) -> list[int]:
     """CRC32C of the first ``size`` bytes of each ``(open, size)`` file (``open()`` gives a
     range reader, closed here), all files' spans in parallel."""
     readers: list[RangeReader] = []
     spans: list[list[int]] = []
     tasks: list[Callable[[], None]] = []
+    free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()  # span buffers, one per thread at most
 
     def task(reader: RangeReader, out: list[int], index: int, start: int, end: int) -> Callable[[], None]:
         def run() -> None:
-            view = _buffer()[: end - start]
-            reader.read_into(start, view)
-            out[index] = crc32c(view)
+            try:
+                buffer = free.get_nowait()
+            except queue.Empty:
+                buffer = memoryview(bytearray(max(SPAN, end - start)))
+            try:
+                view = buffer[: end - start]
+                reader.read_into(start, view)
+                out[index] = crc32c(view)
+            finally:
+                free.put(buffer)
 
         return run
 
