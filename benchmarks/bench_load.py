@@ -6,8 +6,11 @@ with ``Checkpointer(root).save(...)`` (default settings) and allocates target te
 dtypes and shapes (``torch.empty_like``, pages faulted in once). Then, on that one checkpoint:
 
 * **full load into preallocated tensors**: ``ckpt.load(step, into={"model": {...},
-  "optimizer": {...}})`` against the **read floor** of ``floors.py`` (one thread, ``os.preadv``
-  of each file's data section straight into the targets) and the user-facing baseline, which
+  "optimizer": {...}})`` with the defaults (``verify=False``, page-cache reads), and as
+  references ``verify=True`` (CRC32C of every file read, a pass of its own) and, cold,
+  ``CKPTD_DIRECT_READS=1`` (O_DIRECT reads), against the **read floor** of ``floors.py`` (the
+  fastest of its methods: ``os.preadv`` of each file's data section straight into the targets
+  from one thread or 4, and cold, O_DIRECT blocks copied into them) and the user-facing baseline, which
   opens every ``*.safetensors`` file of the checkpoint with ``safetensors.safe_open(path, "pt")``
   and does ``targets[component][key].copy_(f.get_tensor(key))`` for every key (the component of
   a file comes from the checkpoint's ``<component>.safetensors.index.json``);
@@ -33,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -41,7 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -132,27 +136,76 @@ def time_load(load: Callable[[], Any], drop: list[str] | None) -> tuple[float, i
     return seconds, proc_io()["read_bytes"] - before
 
 
+@contextlib.contextmanager
+def direct_reads(value: str | None) -> Iterator[None]:
+    """``CKPTD_DIRECT_READS`` set to ``value`` (unset for ``None``) for the duration."""
+    old = os.environ.get("CKPTD_DIRECT_READS")
+    if value is None:
+        os.environ.pop("CKPTD_DIRECT_READS", None)
+    else:
+        os.environ["CKPTD_DIRECT_READS"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CKPTD_DIRECT_READS", None)
+        else:
+            os.environ["CKPTD_DIRECT_READS"] = old
+
+
+FLOOR_METHODS = {
+    "warm": ["read floor 1 thread", f"read floor {READ_THREADS} threads"],
+    "cold": [
+        "read floor 1 thread",
+        f"read floor {READ_THREADS} threads",
+        f"read floor O_DIRECT {READ_THREADS} threads",
+    ],
+}
+CKPTD_MODE = "verify=False (the default), page-cache reads (CKPTD_DIRECT_READS unset, the default)"
+
+
 def bench_full_loads(
     ckpt: Any, step: int, state: State, files: dict[str, list[str]], all_files: list[str], repeats: int
 ) -> dict[str, Any]:
-    """Warm and cold full loads of ckptd, the read floor and the safetensors baseline, rotating order."""
+    """Warm and cold full loads of ckptd (defaults, verify=True, O_DIRECT), the read floor's
+    methods and the safetensors baseline, rotating the order within each repeat."""
     targets = empty_targets(state)
     floor = ReadFloor(files, targets)
+
+    def ckptd_direct() -> None:
+        with direct_reads("1"):
+            ckpt.load(step, into=targets)
+
+    def ckptd_default() -> None:
+        with direct_reads(None):
+            ckpt.load(step, into=targets)
+
+    def ckptd_verify() -> None:
+        with direct_reads(None):
+            ckpt.load(step, into=targets, verify=True)
+
     loaders: dict[str, Callable[[], Any]] = {
-        "ckptd": lambda: ckpt.load(step, into=targets),
+        "ckptd": ckptd_default,
+        "ckptd verify=True": ckptd_verify,
+        "ckptd O_DIRECT": ckptd_direct,
         "read floor 1 thread": floor.read,
         f"read floor {READ_THREADS} threads": lambda: floor.read(READ_THREADS),
+        f"read floor O_DIRECT {READ_THREADS} threads": lambda: floor.read_direct(READ_THREADS),
         "safetensors": lambda: load_safetensors(files, targets),
     }
-    for name, load in loaders.items():  # untimed: checks the result and warms the page cache
+    per_kind = {
+        "warm": [n for n in loaders if "O_DIRECT" not in n],  # O_DIRECT bypasses the page cache
+        "cold": list(loaders),
+    }
+    for name, load in loaders.items():  # untimed: checks the result (and warms the page cache)
         zero_targets(targets)
         load()
         check_equal(state, targets, f"{name} load into preallocated tensors")
-    samples = {f"{name} {kind}": Samples(f"{name} {kind}") for kind in ("warm", "cold") for name in loaders}
+    floor.read()  # the O_DIRECT loaders last touched nothing in the page cache
+    samples = {f"{name} {kind}": Samples(f"{name} {kind}") for kind, names in per_kind.items() for name in names}
     disk_reads: dict[str, list[int]] = {name: [] for name in samples}
-    for kind in ("warm", "cold"):
+    for kind, names in per_kind.items():
         for i in range(repeats):
-            names = list(loaders)
             order = names[i % len(names) :] + names[: i % len(names)]
             for name in order:
                 seconds, read_bytes = time_load(loaders[name], all_files if kind == "cold" else None)
@@ -162,25 +215,19 @@ def bench_full_loads(
                     f"  {name} {kind} {i}: {seconds:.3f} s, {read_bytes / GIB:.3f} GiB read from the disk",
                     flush=True,
                 )
-    for kind in ("warm", "cold"):  # the floor of a repeat is the faster of its two read-floor methods
-        samples[f"read floor {kind}"] = Samples(
-            f"read floor {kind}",
-            [
-                min(a, b)
-                for a, b in zip(
-                    samples[f"read floor 1 thread {kind}"].values,
-                    samples[f"read floor {READ_THREADS} threads {kind}"].values,
-                    strict=True,
-                )
-            ],
-        )
-        ours, base = samples[f"ckptd {kind}"].values, samples[f"read floor {kind}"].values
-        ratios = [a / b for a, b in zip(ours, base, strict=True)]
-        print(f"  ckptd / read floor, {kind}, per repeat: {' '.join(f'{r:.2f}' for r in ratios)}", flush=True)
+    for kind in ("warm", "cold"):  # the floor of a repeat is the fastest of its read-floor methods
+        methods = [samples[f"{name} {kind}"].values for name in FLOOR_METHODS[kind]]
+        fastest = [min(values) for values in zip(*methods, strict=True)]
+        samples[f"read floor {kind}"] = Samples(f"read floor {kind}", fastest)
+        base = samples[f"read floor {kind}"].values
+        for name in ("ckptd", "ckptd verify=True") + (("ckptd O_DIRECT",) if kind == "cold" else ()):
+            ratios = [a / b for a, b in zip(samples[f"{name} {kind}"].values, base, strict=True)]
+            print(f"  {name} / read floor, {kind}, per repeat: {' '.join(f'{r:.2f}' for r in ratios)}", flush=True)
     return {
         "samples": {k: asdict(v) for k, v in samples.items()},
         "disk_read_bytes": disk_reads,
         "floor_bytes": floor.nbytes,
+        "ckptd_mode": CKPTD_MODE,
     }
 
 
@@ -257,17 +304,21 @@ def main(argv: list[str] | None = None) -> int:
             partial = timed_phase("keys= loads", lambda: bench_partial_loads(ckpt, 0, state, args.repeats))
         print(f"\n== results: {total / GIB:.3f} GiB state, {args.repeats} loads per loader and kind")
         print("ratio = median over repeats of (this loader / the read floor of the same repeat)")
+        print(f"ckptd = ckpt.load(step, into=targets), {CKPTD_MODE}")
         print("| what | median s | min s | max s | GiB read from disk (median) | ratio to read floor |")
         print("|---|---|---|---|---|---|")
         for kind in ("warm", "cold"):
             for name in (
                 "ckptd",
+                "ckptd verify=True",
+                "ckptd O_DIRECT",
                 "read floor",
-                "read floor 1 thread",
-                f"read floor {READ_THREADS} threads",
+                *FLOOR_METHODS[kind],
                 "safetensors",
             ):
                 key = f"{name} {kind}"
+                if key not in full["samples"]:
+                    continue
                 s = Samples(key, full["samples"][key]["values"])
                 base = full["samples"][f"read floor {kind}"]["values"]
                 ratio = statistics.median(a / b for a, b in zip(s.values, base, strict=True))

@@ -178,6 +178,21 @@ class TensorRecord:
         """Parse one tensor entry; raises ``TypeError``/``ValueError``/``KeyError`` when malformed
         (:meth:`Manifest.from_json` turns those into :class:`CorruptCheckpointError`)."""
         body = _object(body, "tensor entry")
+        if "chunks" not in body:
+            # Fast path for the common entry (a whole tensor), the same checks inlined; anything
+            # unusual falls through to the step-by-step checks below, which name the problem.
+            dtype, shape, file, offsets = body["dtype"], body["shape"], body["file"], body["offsets"]
+            if (
+                type(dtype) is str
+                and type(file) is str
+                and type(shape) is list
+                and type(offsets) is list
+                and len(offsets) == 2
+                and len(shape) <= _MAX_RANK
+                and all(type(v) is int and -MAX_DIMENSION <= v <= MAX_DIMENSION for v in (*shape, *offsets))
+            ):
+                dims = tuple(shape)
+                return cls(dtype, dims, (ChunkRecord(file, offsets[0], offsets[1], (0,) * len(dims), dims),))
         dtype = _str(body["dtype"], "dtype")
         shape = _dims(body["shape"], "shape")
         if "chunks" not in body:
@@ -474,6 +489,15 @@ def _check_tensor(record: TensorRecord, where: str, files: Mapping[str, FileReco
         raise CorruptCheckpointError(f"{where}: unknown dtype {record.dtype!r}")
     if any(dim < 0 for dim in record.shape):
         raise CorruptCheckpointError(f"{where}: negative dimension in shape {record.shape}")
+    if len(record.chunks) == 1:  # the common case, a whole tensor: the loop below, unrolled
+        chunk = record.chunks[0]
+        if chunk.shape == record.shape and not any(chunk.offset) and len(chunk.offset) == len(record.shape):
+            file = files.get(chunk.file)
+            if file is None:
+                raise CorruptCheckpointError(f"{where}: file {chunk.file!r} is not listed in the manifest")
+            if chunk.start < 0 or chunk.end - chunk.start != itemsize * math.prod(chunk.shape) or chunk.end > file.size:
+                raise CorruptCheckpointError(f"{where}: byte range [{chunk.start}, {chunk.end}) is inconsistent")
+            return
     covered = 0
     for chunk in record.chunks:
         if chunk.file not in files:

@@ -6,8 +6,9 @@ parameters sharing storage; :func:`retie_parameters` makes them share again afte
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from ..dist.sharding import is_dtensor
 from ..errors import ConfigError, KeyMismatchError
 from ..formats.torch_dtypes import dtype_from_name
 from ..save.flatten import find_tied_groups, restore_tree, tensor_leaves, tree_tensor_keys
-from .reader import CheckpointReader, preview
+from .reader import CheckpointReader, PendingRead, preview
 
 __all__ = [
     "read_keys",
@@ -79,6 +80,22 @@ def load_into_module(
     allow (else copied in).  With ``strict``, missing or unexpected keys raise
     :class:`KeyMismatchError` before anything is read.  Tied parameters are re-tied afterwards.
     """
+    pending, apply = _plan_module(reader, component, module, strict=strict, assign=assign, device=device, verify=verify)
+    reader.run([pending])
+    return apply()
+
+
+def _plan_module(
+    reader: CheckpointReader,
+    component: str,
+    module: torch.nn.Module,
+    *,
+    strict: bool,
+    assign: bool,
+    device: str | torch.device,
+    verify: bool,
+) -> tuple[PendingRead, Callable[[], set[str]]]:
+    """:func:`load_into_module` in two halves: the planned read, and what to do once it is read."""
     state = module.state_dict()
     tensor_state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     available = set(reader.keys(component))
@@ -91,15 +108,22 @@ def load_into_module(
             f"{reader.directory}: checkpoint does not match the module: "
             f"missing {preview(missing)}; unexpected {preview(unexpected)} (pass strict=False to ignore)"
         )
-    if assign and not any(is_dtensor(t) for t in tensor_state.values()):
-        loaded = reader.read(component, wanted, device=device, verify=verify)
-        _alias_own_ties(loaded, own_ties)
-        module.load_state_dict(loaded, strict=False, assign=True)
+    assigning = assign and not any(is_dtensor(t) for t in tensor_state.values())
+    if assigning:
+        pending = reader.plan(component, wanted, device=device, verify=verify)
     else:
-        reader.read(component, wanted, targets={k: tensor_state[k] for k in wanted}, verify=verify)
-    groups = [[k for k in group if k in state] for group in reader.tied_groups(component)]
-    retie_parameters(module, [g for g in groups if len(g) > 1])
-    return set(missing)
+        pending = reader.plan(component, wanted, targets={k: tensor_state[k] for k in wanted}, verify=verify)
+
+    def apply() -> set[str]:
+        loaded = pending.result()
+        if assigning:
+            _alias_own_ties(loaded, own_ties)
+            module.load_state_dict(loaded, strict=False, assign=True)
+        groups = [[k for k in group if k in state] for group in reader.tied_groups(component)]
+        retie_parameters(module, [g for g in groups if len(g) > 1])
+        return set(missing)
+
+    return pending, apply
 
 
 def _alias_own_ties(loaded: dict[str, torch.Tensor], own_ties: Mapping[str, list[str]]) -> None:
@@ -178,12 +202,34 @@ def _read_value(
     verify: bool,
     allow_pickle: bool,
 ) -> Any:
+    pending, finish = _plan_value(reader, stored, tree, targets, device, verify, allow_pickle)
+    reader.run([pending] if pending is not None else [])
+    return finish()
+
+
+def _plan_value(
+    reader: CheckpointReader,
+    stored: str,
+    tree: Any,
+    targets: Mapping[str, Any],
+    device: str | torch.device,
+    verify: bool,
+    allow_pickle: bool,
+) -> tuple[PendingRead | None, Callable[[], Any]]:
+    """:func:`_read_value` in two halves: the planned read, and the value rebuilt once read."""
     if tree is None:
-        return reader.read(stored, device=device, targets=targets, verify=verify)
+        pending = reader.plan(stored, device=device, targets=targets, verify=verify)
+        return pending, pending.result
     keys = tree_tensor_keys(tree)
-    wanted = {k: t for k, t in targets.items() if k in set(keys)}
-    tensors = reader.read(stored, keys, device=device, targets=wanted, verify=verify) if keys else {}
-    return restore_tree(tree, tensors, allow_pickle=allow_pickle, where=f"{reader.directory}:{stored}")
+    keyset = set(keys)
+    wanted = {k: t for k, t in targets.items() if k in keyset}
+    planned = reader.plan(stored, keys, device=device, targets=wanted, verify=verify) if keys else None
+
+    def finish() -> Any:
+        tensors = planned.result() if planned is not None else {}
+        return restore_tree(tree, tensors, allow_pickle=allow_pickle, where=f"{reader.directory}:{stored}")
+
+    return planned, finish
 
 
 def restore_components(
@@ -207,29 +253,62 @@ def restore_components(
     trees = reader.state_trees(verify=verify)
     stored_names = {name: resolve_component(reader, name, rank, groups) for name in into}
     for name, target in into.items():
+        if not isinstance(target, torch.nn.Module) and not (
+            callable(getattr(target, "load_state_dict", None)) or isinstance(target, MutableMapping)
+        ):
+            raise ConfigError(
+                f"cannot restore component {name!r} into a {type(target).__name__}: "
+                "pass an object with load_state_dict() or a mutable mapping"
+            )
+    # Plan every component, read all their bytes in one pass, then assign in order.
+    pending: list[PendingRead] = []
+    applies: list[Callable[[], None]] = []
+    for name, target in into.items():
         stored = stored_names[name]
         if isinstance(target, torch.nn.Module):
-            load_into_module(reader, stored, target, strict=strict, assign=assign, device=device, verify=verify)
-            extras = _non_tensor_entries(trees.get(stored), allow_pickle, f"{reader.directory}:{stored}")
-            if extras:
-                target.load_state_dict(extras, strict=False)
+            planned, after = _plan_module(
+                reader, stored, target, strict=strict, assign=assign, device=device, verify=verify
+            )
+            pending.append(planned)
+            where = f"{reader.directory}:{stored}"
+            applies.append(_module_apply(target, after, trees.get(stored), allow_pickle, where))
             continue
         targets = tensor_leaves(name, target)
         if isinstance(target, torch.optim.Optimizer):
             targets = {**_optimizer_state_targets(reader, stored, target), **targets}
         if reader.kind == "dcp":  # no ckptd tree: the structure comes from DCP's own paths
-            value = _dcp_value(reader, stored, target, targets, device)
-        else:
-            value = _read_value(reader, stored, trees.get(stored), targets, device, verify, allow_pickle)
+            applies.append(_value_apply(target, functools.partial(_dcp_value, reader, stored, target, targets, device)))
+            continue
+        value_plan, finish = _plan_value(reader, stored, trees.get(stored), targets, device, verify, allow_pickle)
+        if value_plan is not None:
+            pending.append(value_plan)
+        applies.append(_value_apply(target, finish))
+    reader.run(pending)
+    for apply in applies:
+        apply()
+
+
+def _module_apply(
+    module: torch.nn.Module, after: Callable[[], set[str]], tree: Any, allow_pickle: bool, where: str
+) -> Callable[[], None]:
+    def apply() -> None:
+        after()
+        extras = _non_tensor_entries(tree, allow_pickle, where)
+        if extras:
+            module.load_state_dict(extras, strict=False)
+
+    return apply
+
+
+def _value_apply(target: Any, finish: Callable[[], Any]) -> Callable[[], None]:
+    def apply() -> None:
+        value = finish()
         if callable(getattr(target, "load_state_dict", None)):
             target.load_state_dict(value)
-        elif isinstance(target, MutableMapping):
-            _update_mapping(target, value)
         else:
-            raise ConfigError(
-                f"cannot restore component {name!r} into a {type(target).__name__}: "
-                "pass an object with load_state_dict() or a mutable mapping"
-            )
+            _update_mapping(target, value)
+
+    return apply
 
 
 _OPTIMIZER_STATE_KEY = re.compile(r"^state\.(\d+)\.(.+)$")

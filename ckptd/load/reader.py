@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,11 +26,12 @@ import torch
 
 from ..errors import (
     CheckpointNotFoundError,
+    ConfigError,
     CorruptCheckpointError,
     KeyMismatchError,
     UnsafeCheckpointError,
 )
-from ..formats.checksum import crc32c, format_crc
+from ..formats.checksum import format_crc
 from ..formats.json_files import check_regular_file, parse_json, read_listed_file, read_small_file
 from ..formats.manifest import Manifest, TensorRecord, is_foreign_manifest, parse_hf_index, parse_state_file
 from ..formats.names import MANIFEST_NAME, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_BIN_INDEX, TORCH_BIN_SINGLE
@@ -43,22 +43,20 @@ from ..storage import (
     StorageTuning,
     check_file_name,
     normalize_location,
-    read_chunks,
     storage_for,
 )
 from .cache import FileCache
 from .dcp import DcpLayout, fetch_dcp, is_dcp, nest_dcp, read_dcp_layout, read_dcp_objects
-from .fetch import Destination, fetch, fetch_bin, preview
+from .fetch import DEFAULT_REMOTE_CONCURRENCY, Destination, fetch_bin, plan_requests, preview, read_requests
+from .verify import file_crcs
 
 __all__ = [
     "CheckpointReader",
+    "PendingRead",
     "preview",
 ]
 
 logger = logging.getLogger(__name__)
-
-_VERIFY_THREADS = 4
-_VERIFY_CHUNK = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -70,6 +68,34 @@ class _Source:
     weight_map: dict[str, str]
     records: dict[str, TensorRecord] | None
     aliases: dict[str, str]
+
+
+@dataclass
+class PendingRead:
+    """The tensors one :meth:`CheckpointReader.plan` placed: their memory is allocated (or is
+    the caller's), their bytes arrive in :meth:`CheckpointReader.run`; ``result()`` then gives
+    what :meth:`CheckpointReader.read` returns.  (Mutable: ``done`` records that run read it.)"""
+
+    requested: list[str]
+    aliases: dict[str, str]
+    records: dict[str, TensorRecord]
+    destinations: dict[str, Destination]
+    targeted: frozenset[str]
+    device: torch.device
+    verify: bool
+    done: bool = False
+
+    def result(self) -> dict[str, Any]:
+        """``{key: tensor or target}`` for every requested key (aliases too), once read."""
+        if self.records and not self.done:
+            raise ConfigError("PendingRead.result() called before CheckpointReader.run() read its bytes")
+        loaded: dict[str, Any] = {}
+        for key, destination in self.destinations.items():
+            value = destination.finish()
+            if key not in self.targeted and isinstance(value, torch.Tensor) and value.device != self.device:
+                value = value.to(self.device)
+            loaded[key] = value
+        return {key: loaded[self.aliases.get(key, key)] for key in self.requested}
 
 
 class CheckpointReader:
@@ -96,6 +122,7 @@ class CheckpointReader:
         self._sources = sources
         self._headers: dict[str, SafetensorsHeader] = {}
         self._verified: set[str] = set()
+        self._state_trees: dict[str, Any] | None = None
         self._dcp_layout: tuple[DcpLayout, dict[str, Any] | None] | None = None
 
     # ---- opening ---------------------------------------------------------------------------
@@ -273,9 +300,11 @@ class CheckpointReader:
             return {}
         if verify:
             self.verify([self.manifest.state_file])
-        where = _safe_path(self.storage, self.directory, self.manifest.state_file, MANIFEST_NAME)
-        record = self.manifest.files.get(self.manifest.state_file)
-        return parse_state_file(read_listed_file(self.storage, where, record), where)
+        if self._state_trees is None:  # read once: every component's lookup asks for it
+            where = _safe_path(self.storage, self.directory, self.manifest.state_file, MANIFEST_NAME)
+            record = self.manifest.files.get(self.manifest.state_file)
+            self._state_trees = parse_state_file(read_listed_file(self.storage, where, record), where)
+        return self._state_trees
 
     def _source(self, component: str) -> _Source:
         try:
@@ -350,30 +379,21 @@ class CheckpointReader:
     # ---- reading ---------------------------------------------------------------------------
 
     def verify(self, files: Iterable[str] | None = None) -> None:
-        """Check CRC32C of ``files`` (all by default) against the manifest."""
+        """Check CRC32C of ``files`` (all by default) against the manifest, before anything is
+        read from them (16 MiB spans of every file checksummed in parallel: :mod:`.verify`)."""
         if self.manifest is None:
             return
         names = [n for n in (self.manifest.files if files is None else dict.fromkeys(files)) if n not in self._verified]
-        with ThreadPoolExecutor(min(_VERIFY_THREADS, max(1, len(names)))) as pool:
-            list(pool.map(self._verify_file, names))
+        records = [self.manifest.files[name] for name in names]
+        pairs = zip(names, records, strict=True)
+        values = file_crcs([(lambda n=name: self._open(n), record.size) for name, record in pairs])
+        for name, record, value in zip(names, records, values, strict=True):
+            if format_crc(value) != record.crc32c:
+                raise CorruptCheckpointError(
+                    f"{self._path(name)}: CRC32C mismatch (manifest {record.crc32c}, file {format_crc(value)}): "
+                    "the file is corrupt"
+                )
         self._verified.update(names)
-
-    def _verify_file(self, name: str) -> None:
-        if self.manifest is None:
-            return
-        expected = self.manifest.files[name]
-        path = self._path(name)
-        reader = self._open(name)
-        try:
-            value = 0
-            for chunk in read_chunks(reader, expected.size, _VERIFY_CHUNK):
-                value = crc32c(chunk, value)
-        finally:
-            reader.close()
-        if format_crc(value) != expected.crc32c:
-            raise CorruptCheckpointError(
-                f"{path}: CRC32C mismatch (manifest {expected.crc32c}, file {format_crc(value)}): the file is corrupt"
-            )
 
     def record(self, component: str, key: str) -> TensorRecord | None:
         """Dtype, global shape and location of one stored tensor (``None`` for ``.bin`` files)."""
@@ -400,6 +420,25 @@ class CheckpointReader:
         otherwise they are read into a buffer and copied.  Keys without a target come back as
         whole tensors on ``device`` (assembled from their pieces if they were saved sharded).
         """
+        pending = self.plan(component, keys, device=device, targets=targets, verify=verify)
+        self.run([pending])
+        return pending.result()
+
+    def plan(
+        self,
+        component: str = "model",
+        keys: Iterable[str] | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        targets: Mapping[str, Any] | None = None,
+        verify: bool = False,
+    ) -> PendingRead:
+        """The first half of :meth:`read`: check keys and targets and place every tensor, reading
+        nothing yet from safetensors files (``.bin`` and DCP checkpoints are read here).
+
+        Call order: 1. :meth:`plan` for each component; 2. :meth:`run` once with every plan (one
+        pass over the files, all components' ranges at once); 3. ``result()`` of each plan.
+        """
         source = self._source(component)
         requested = list(source.weight_map) + list(source.aliases) if keys is None else list(dict.fromkeys(keys))
         stored = list(dict.fromkeys(source.aliases.get(k, k) for k in requested))
@@ -411,6 +450,7 @@ class CheckpointReader:
         for alias, key in source.aliases.items():
             if alias in targets and key not in stored_targets:
                 stored_targets[key] = targets[alias]
+        records: dict[str, TensorRecord] = {}
         if source.kind == "torch_bin":
             files = sorted({source.weight_map[k] for k in stored})
             destinations = fetch_bin(files, stored, stored_targets, self._load_bin, where=self.directory)
@@ -418,20 +458,29 @@ class CheckpointReader:
             destinations = self._read_dcp(source, stored, stored_targets)
         else:
             records = self.locate(component, stored)
-            if verify:
-                self.verify(sorted({f for record in records.values() for f in record.files}))
             destinations = {
                 key: Destination.make(key, records[key], stored_targets.get(key), self.directory) for key in stored
             }
-            fetch(records, destinations, self._open, self._path, local=self.storage.local, where=self.directory)
-        device = torch.device(device)
-        loaded: dict[str, Any] = {}
-        for key, destination in destinations.items():
-            value = destination.finish()
-            if key not in stored_targets and isinstance(value, torch.Tensor) and value.device != device:
-                value = value.to(device)
-            loaded[key] = value
-        return {key: loaded[source.aliases.get(key, key)] for key in requested}
+        return PendingRead(
+            requested, source.aliases, records, destinations, frozenset(stored_targets), torch.device(device), verify
+        )
+
+    def run(self, plans: Iterable[PendingRead]) -> None:
+        """Read the bytes of every plan (of this reader) in one pass: one set of reads over the
+        files, all components' ranges together, on the shared read pool."""
+        plans = [p for p in plans if p.records and not p.done]
+        to_verify = sorted({f for p in plans if p.verify for record in p.records.values() for f in record.files})
+        if to_verify:
+            self.verify(to_verify)
+        requests: dict[str, list[tuple[int, memoryview]]] = {}
+        for p in plans:
+            for file_name, wanted in plan_requests(p.records, p.destinations, self.directory).items():
+                requests.setdefault(file_name, []).extend(wanted)
+        tuning = getattr(self.storage, "tuning", None)
+        concurrency = tuning.part_concurrency if tuning is not None else DEFAULT_REMOTE_CONCURRENCY
+        read_requests(requests, self._open, self._path, local=self.storage.local, concurrency=concurrency)
+        for p in plans:
+            p.done = True
 
     def _load_bin(self, file_name: str) -> dict[str, torch.Tensor]:
         path = self._path(file_name)

@@ -216,9 +216,10 @@ def test_verify_also_checks_the_state_file(checkpointer):
 def test_many_small_and_a_few_sliced_tensors_load_exactly(tmp_path, monkeypatch):
     """Small tensors are read in batches and large ones in slices (both made tiny here, so a
     few thousand tensors exercise every path): every byte still lands in its own tensor."""
-    import ckptd.load.fetch as fetch
+    import ckptd.load.direct as direct
 
-    monkeypatch.setattr(fetch, "_READ_SLICE", 4096)
+    monkeypatch.setattr(direct, "DIRECT_RUN", 4096)
+    monkeypatch.setattr(direct, "_CACHED_BATCH", 4096)
     state = {f"t{i}": torch.arange(i % 50, dtype=torch.float32) + i for i in range(3000)}
     state["big"] = torch.randn(5000, dtype=torch.float64)  # 40,000 bytes: ten slices
     state["empty"] = torch.zeros(0, 3)
