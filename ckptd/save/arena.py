@@ -9,7 +9,9 @@ reused while the state's layout fits; when CUDA is available they are page-locke
 provides back-pressure: a save waits while all of them are still being written.
 
 Staging returns a :class:`StageHandle`.  In blocking mode the bytes are in the arena when it
-returns.  In background mode CPU tensors are copied by a staging thread, and CUDA tensors by
+returns.  In background mode CPU tensors are copied by a staging thread, in arena order, and the
+handle's watermark (:meth:`StageHandle.wait_staged`) says how far the copy has got, so the
+writer can write the first files while the last are still being copied; CUDA tensors are copied by
 ``non_blocking`` copies on a dedicated stream (ordered after the caller's current stream; a CUDA
 event marks the end), so the call returns at once; :class:`StepGuard` then makes the next
 optimizer step wait for the copies (on CUDA, by making the step's stream wait on the event, so
@@ -21,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any
 
@@ -39,6 +41,9 @@ __all__ = ["StageHandle", "StagingArena", "StagingPool", "StepGuard"]
 logger = logging.getLogger(__name__)
 
 _GROWTH_ALIGNMENT = 2 * 1024 * 1024
+_PUBLISH_BYTES = 1024 * 1024  # the staging thread moves the watermark in steps of at least this
+
+AfterCopy = Callable[[str, str], None]
 
 
 class StagingArena:
@@ -52,7 +57,7 @@ class StagingArena:
         self.plan: RankPlan | None = None
         self.busy = False
         self._base: torch.Tensor | None = torch.frombuffer(self.segment.mmap, dtype=torch.uint8)
-        self._views: list[tuple[str, str, str, torch.Tensor]] = []
+        self._views: list[tuple[int, str, str, str, torch.Tensor]] = []  # arena offset, file, component, key
         self._stream: Any = None
         self.pinned = _pin(self._base)
 
@@ -70,7 +75,7 @@ class StagingArena:
                 f"staging arena {self.arena_id} holds {self.size} bytes but the rank plan needs "
                 f"{plan.arena_size}: the staging pool handed out an arena too small for the plan"
             )
-        views: list[tuple[str, str, str, torch.Tensor]] = []
+        views: list[tuple[int, str, str, str, torch.Tensor]] = []
         for piece in plan.pieces:
             for part in piece.parts:
                 start = piece.arena_offset + part.offset
@@ -79,7 +84,8 @@ class StagingArena:
                     base[start : start + part.nbytes].copy_(header)
                     continue
                 view = base[start : start + part.nbytes].view(dtype_from_name(part.dtype)).view(part.shape)
-                views.append((piece.file_name, part.component, part.key, view))
+                views.append((start, piece.file_name, part.component, part.key, view))
+        views.sort(key=lambda v: v[0])  # copied in arena order: the watermark only moves forward
         self._views = views
         self.plan = plan
 
@@ -88,37 +94,55 @@ class StagingArena:
         tensors: Mapping[str, Mapping[str, torch.Tensor]],
         background: Executor | None = None,
         skip_files: frozenset[str] = frozenset(),
+        after_copy: AfterCopy | None = None,
     ) -> StageHandle:
         """Copy every planned local tensor (``tensors[component][key]``) into its arena slot,
         except those of ``skip_files`` (reused by an incremental save).
 
         Without ``background`` the copies are done (and CUDA ones synchronised) on return.  With
-        an executor, CPU copies run on it and CUDA copies are queued on a side stream; the
-        returned handle's ``done`` is set once every byte is in the arena.
+        an executor, CPU copies run on it in arena order, moving the handle's watermark, and CUDA
+        copies are queued on a side stream (the watermark then moves only at the end); the
+        returned handle's ``done`` is set once every byte is in the arena.  ``after_copy(component,
+        key)`` runs after each CPU copy (a test seam: it may block or raise).
         """
-        if self.plan is None:
+        plan = self.plan
+        if plan is None:
             raise WriterError(f"staging arena {self.arena_id} has no layout: call layout(plan) before stage()")
-        cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
+        cpu: list[tuple[int, torch.Tensor, torch.Tensor, str, str]] = []
         cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for file_name, component, key, view in self._views:
+        for start, file_name, component, key, view in self._views:
             if file_name in skip_files:
                 continue
             source = tensors[component][key]
-            (cuda if source.is_cuda else cpu).append((view, source))
-        handle = StageHandle()
+            if source.is_cuda:
+                cuda.append((view, source))
+            else:
+                cpu.append((start, view, source, component, key))
+        handle = StageHandle(plan.arena_size)
         if cuda:
             handle.cuda_event = self._queue_cuda_copies(cuda)
+        elif cpu:
+            handle.staged_upto = cpu[0][0]  # headers and skipped files before it are in place
+        # After copy i, everything below the start of copy i + 1 is staged.
+        ready_after = [c[0] for c in cpu[1:]] + [plan.arena_size]
 
         def copy_cpu() -> None:
             try:
-                for view, source in cpu:
+                published = handle.staged_upto
+                track = handle.cuda_event is None
+                for (_, view, source, component, key), ready in zip(cpu, ready_after, strict=True):
                     view.copy_(source)
+                    if after_copy is not None:
+                        after_copy(component, key)
+                    if track and ready - published >= _PUBLISH_BYTES:
+                        handle.publish(ready)
+                        published = ready
                 if handle.cuda_event is not None:
                     handle.cuda_event.synchronize()
             except BaseException as e:  # noqa: BLE001 - raised by the handle's wait()
                 handle.error = e
             finally:
-                handle.done.set()
+                handle.finish()
 
         if background is None:
             copy_cpu()
@@ -159,19 +183,47 @@ class StagingArena:
 
 
 class StageHandle:
-    """The copy of one save into its arena: ``done`` is set once every byte is there."""
+    """The copy of one save into its arena: ``done`` is set once every byte is there, and
+    ``staged_upto`` (the watermark) is the arena offset below which every byte already is."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int = 0) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.cuda_event: Any = None
         self.cpu_pending = False
+        self.size = size
+        self.staged_upto = 0
+        self._cond = threading.Condition()
+
+    def publish(self, upto: int) -> None:
+        """The staging thread: the arena bytes below ``upto`` are in place."""
+        with self._cond:
+            self.staged_upto = upto
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """The staging thread: the copy ended (``error`` says whether it failed)."""
+        with self._cond:
+            if self.error is None:
+                self.staged_upto = self.size
+            self.done.set()
+            self._cond.notify_all()
 
     def wait(self) -> None:
         """Block until the copies finished; raise what the copy raised."""
         self.done.wait()
         if self.error is not None:
             raise self.error
+
+    def wait_staged(self, target: int) -> int:
+        """Block until the watermark reaches ``target`` or the copy ends; returns the watermark.
+        Raises what the copy raised."""
+        with self._cond:
+            while self.staged_upto < target and not self.done.is_set():
+                self._cond.wait()
+        if self.error is not None:
+            raise self.error
+        return self.staged_upto
 
 
 class StepGuard:
@@ -238,6 +290,7 @@ class StagingPool:
         self._next_id = 0
         self._cond = threading.Condition()
         self._closed = False
+        self.after_copy: AfterCopy | None = None  # passed to every stage() (a test seam)
         reset_in_fork_child(self)
 
     def acquire(self, plan: RankPlan) -> tuple[StagingArena, float]:

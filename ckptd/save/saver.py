@@ -32,7 +32,7 @@ from ..stats import new_recorder
 from ..storage import Storage
 from ..storage.cleanup import Cleanup
 from ..storage.retry import retries_of
-from ..writer.client import InProcessWriter, WriterClient
+from ..writer.client import InProcessWriter, PendingWrite, WriterClient
 from ..writer.protocol import FileResult, FileSpec, FilesWritten
 from .arena import StageHandle, StagingArena, StagingPool, StepGuard
 from .commit import ComponentInfo, claim_step, finalize_checkpoint
@@ -165,7 +165,12 @@ class Saver:
                 staged_at = time.perf_counter()
                 try:
                     tensors = {c.name: c.tensors for c in flats}
-                    handle = arena.stage(tensors, self._stager if background else None, frozenset(reuse.reused))
+                    handle = arena.stage(
+                        tensors,
+                        self._stager if background else None,
+                        frozenset(reuse.reused),
+                        after_copy=self.pool.after_copy,
+                    )
                 except BaseException:
                     self.pool.release(arena)
                     raise
@@ -293,36 +298,46 @@ class Saver:
             self.cleanup.discard(job.staging)
 
     def _write(self, job: SaveJob, timings: dict[str, float]) -> list[FileResult]:
+        """Have the writer write this rank's pieces.  While a background copy is still running the
+        request is pipelined: the writer starts on the first files and is told, chunk by chunk,
+        how far the copy has got (:meth:`_feed`)."""
         started = time.perf_counter()
         rank_plan: RankPlan = job.plan.ranks[self.rank]
+        handle = job.handle
         try:
-            if job.handle is not None:
-                job.handle.wait()  # background staging: the bytes must be in the arena
-            if not rank_plan.pieces or job.arena is None:
-                return []
-            future = self.writer.write_files(
-                arena_id=job.arena.arena_id,
-                directory=job.staging,
-                files=[
-                    FileSpec(
-                        p.file_name,
-                        p.arena_offset,
-                        p.size,
-                        p.file_offset,
-                        p.whole_file,
-                        _crc_int(job.reuse.hashed.get(p.file_name)) if p.whole_file else None,
-                    )
-                    for p in rank_plan.pieces
-                    if p.file_name not in job.reuse.reused
-                ],
-                storage_options=self.options.storage_options,
-                fsync=self.options.fsync,
-                chunk_size=self.options.chunk_size,
-                threads=self.options.write_threads,
-                abandon_directory=job.staging,
-                tuning=dataclasses.asdict(self.options.tuning),
-            )
-            written = future.result()
+            files = [
+                FileSpec(
+                    p.file_name,
+                    p.arena_offset,
+                    p.size,
+                    p.file_offset,
+                    p.whole_file,
+                    _crc_int(job.reuse.hashed.get(p.file_name)) if p.whole_file else None,
+                )
+                for p in rank_plan.pieces
+                if p.file_name not in job.reuse.reused
+            ]
+            if job.arena is None or not files or handle is None or handle.done.is_set():
+                if handle is not None:
+                    handle.wait()  # the bytes must be in the arena (raises what the copy raised)
+                if not files or job.arena is None:
+                    return []
+            fields: dict[str, Any] = {
+                "arena_id": job.arena.arena_id,
+                "directory": job.staging,
+                "files": files,
+                "storage_options": self.options.storage_options,
+                "fsync": self.options.fsync,
+                "chunk_size": self.options.chunk_size,
+                "threads": self.options.write_threads,
+                "abandon_directory": job.staging,
+                "tuning": dataclasses.asdict(self.options.tuning),
+            }
+            if handle is None or handle.done.is_set():
+                written = self.writer.write_files(**fields).result()
+            else:
+                end = max(f.arena_offset + f.size for f in files)
+                written = self._feed(self.writer.write_pipelined(handle.staged_upto, **fields), handle, end)
         finally:
             self._release(job)
             timings["write"] = time.perf_counter() - started
@@ -330,6 +345,27 @@ class Saver:
             raise WriterError(f"unexpected writer answer {written!r}")
         job.progress.retries += written.retries
         return list(written.results)
+
+    def _feed(self, pending: PendingWrite, handle: StageHandle, end: int) -> Any:
+        """Tell the writer how far the background copy has got, a chunk at a time, until every
+        byte up to ``end`` is staged; then wait for its answer.  If the copy fails, the writer
+        abandons the request (removing the file it was writing) and the copy's error is raised."""
+        step = max(1, int(self.options.chunk_size))
+        sent = handle.staged_upto
+        try:
+            while sent < end:
+                upto = handle.wait_staged(min(end, sent + step))
+                if upto > sent:
+                    pending.advance(upto)
+                    sent = upto
+        except BaseException as e:
+            pending.abort(e)
+            try:
+                pending.future.result()
+            except Exception:  # noqa: BLE001 - the writer's side of the same failure
+                logger.debug("ckptd: the writer abandoned a pipelined write after a staging failure", exc_info=True)
+            raise
+        return pending.future.result()
 
     def _release(self, job: SaveJob) -> None:
         """Give the arena back, once per save (after a background copy into it has finished)."""
