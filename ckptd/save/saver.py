@@ -362,7 +362,7 @@ class Saver:
             pending.abort(e)
             try:
                 pending.future.result()
-            except Exception:  # noqa: BLE001 - the writer's side of the same failure
+            except Exception:
                 logger.debug("ckptd: the writer abandoned a pipelined write after a staging failure", exc_info=True)
             raise
         return pending.future.result()

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .._version import __version__
 from ..errors import StorageError, WriterError
 from ..storage import Stopped, storage_for
+from .gate import StagingGate
 from .protocol import (
     PROTOCOL_VERSION,
     AttachArena,
@@ -43,7 +44,6 @@ from .protocol import (
     Staged,
     WriteFiles,
 )
-from .gate import StagingGate
 from .shm import SharedSegment
 from .stream import write_files
 
