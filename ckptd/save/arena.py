@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from ..errors import WriterError
+from ..errors import CkptdError, WriterError
 from ..formats.torch_dtypes import dtype_from_name
-from ..writer.client import InProcessWriter, WriterClient
+from ..writer.client import InProcessWriter, PendingWrite, WriterClient
 from ..writer.owner import reset_in_fork_child
 from ..writer.shm import SharedSegment
 from .plan import RankPlan
@@ -41,7 +41,7 @@ __all__ = ["StageHandle", "StagingArena", "StagingPool", "StepGuard"]
 logger = logging.getLogger(__name__)
 
 _GROWTH_ALIGNMENT = 2 * 1024 * 1024
-_PUBLISH_BYTES = 1024 * 1024  # the staging thread moves the watermark in steps of at least this
+_PUBLISH_BYTES = 4 * 1024 * 1024  # the staging thread moves the watermark in steps of at least this
 
 AfterCopy = Callable[[str, str], None]
 
@@ -149,6 +149,7 @@ class StagingArena:
             handle.wait()
         else:
             handle.cpu_pending = bool(cpu)
+            handle.background = True
             background.submit(copy_cpu)
         return handle
 
@@ -192,6 +193,7 @@ class StageHandle:
         self.cuda_event: Any = None
         self.cpu_pending = False
         self.size = size
+        self.background = False  # a copy on the staging thread (its error is wrapped)
         self.staged_upto = 0
         self._cond = threading.Condition()
 
@@ -212,8 +214,20 @@ class StageHandle:
     def wait(self) -> None:
         """Block until the copies finished; raise what the copy raised."""
         self.done.wait()
-        if self.error is not None:
-            raise self.error
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        """Raise the copy's error; a background copy's as a WriterError (the caller sees it from
+        ``wait()``, long after ``async_save`` returned), the original as its cause."""
+        error = self.error
+        if error is None:
+            return
+        if not self.background or isinstance(error, CkptdError):
+            raise error
+        raise WriterError(
+            f"the background staging copy failed ({type(error).__name__}: {error}); the save was abandoned and "
+            "nothing was committed; fix the cause, or save with staging='blocking' to see it in async_save"
+        ) from error
 
     def wait_staged(self, target: int) -> int:
         """Block until the watermark reaches ``target`` or the copy ends; returns the watermark.
@@ -221,9 +235,28 @@ class StageHandle:
         with self._cond:
             while self.staged_upto < target and not self.done.is_set():
                 self._cond.wait()
-        if self.error is not None:
-            raise self.error
+        self._raise_error()
         return self.staged_upto
+
+    def feed(self, pending: PendingWrite, end: int) -> Any:
+        """Tell the writer of ``pending`` how far the copy has got, each time the watermark moves
+        (by at least ``_PUBLISH_BYTES``, or to the end), until every byte below ``end`` is staged;
+        then return its answer.  If the copy fails, the
+        writer abandons the request (removing the file it was writing) and the copy's error is
+        raised."""
+        try:
+            while pending.staged < end:  # what the writer knows, not what this handle knew earlier
+                upto = self.wait_staged(pending.staged + 1)
+                if upto > pending.staged:
+                    pending.advance(upto)
+        except BaseException as e:
+            pending.abort(e)
+            try:
+                pending.future.result()
+            except Exception:
+                logger.debug("ckptd: the writer abandoned a pipelined write after a staging failure", exc_info=True)
+            raise
+        return pending.future.result()
 
 
 class StepGuard:

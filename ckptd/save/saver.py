@@ -32,7 +32,7 @@ from ..stats import new_recorder
 from ..storage import Storage
 from ..storage.cleanup import Cleanup
 from ..storage.retry import retries_of
-from ..writer.client import InProcessWriter, PendingWrite, WriterClient
+from ..writer.client import InProcessWriter, WriterClient
 from ..writer.protocol import FileResult, FileSpec, FilesWritten
 from .arena import StageHandle, StagingArena, StagingPool, StepGuard
 from .commit import ComponentInfo, claim_step, finalize_checkpoint
@@ -300,7 +300,7 @@ class Saver:
     def _write(self, job: SaveJob, timings: dict[str, float]) -> list[FileResult]:
         """Have the writer write this rank's pieces.  While a background copy is still running the
         request is pipelined: the writer starts on the first files and is told, chunk by chunk,
-        how far the copy has got (:meth:`_feed`)."""
+        how far the copy has got (:meth:`~ckptd.save.arena.StageHandle.feed`)."""
         started = time.perf_counter()
         rank_plan: RankPlan = job.plan.ranks[self.rank]
         handle = job.handle
@@ -337,7 +337,8 @@ class Saver:
                 written = self.writer.write_files(**fields).result()
             else:
                 end = max(f.arena_offset + f.size for f in files)
-                written = self._feed(self.writer.write_pipelined(handle.staged_upto, **fields), handle, end)
+                pending = self.writer.write_pipelined(handle.staged_upto, **fields)
+                written = handle.feed(pending, end)
         finally:
             self._release(job)
             timings["write"] = time.perf_counter() - started
@@ -345,27 +346,6 @@ class Saver:
             raise WriterError(f"unexpected writer answer {written!r}")
         job.progress.retries += written.retries
         return list(written.results)
-
-    def _feed(self, pending: PendingWrite, handle: StageHandle, end: int) -> Any:
-        """Tell the writer how far the background copy has got, a chunk at a time, until every
-        byte up to ``end`` is staged; then wait for its answer.  If the copy fails, the writer
-        abandons the request (removing the file it was writing) and the copy's error is raised."""
-        step = max(1, int(self.options.chunk_size))
-        sent = handle.staged_upto
-        try:
-            while sent < end:
-                upto = handle.wait_staged(min(end, sent + step))
-                if upto > sent:
-                    pending.advance(upto)
-                    sent = upto
-        except BaseException as e:
-            pending.abort(e)
-            try:
-                pending.future.result()
-            except Exception:
-                logger.debug("ckptd: the writer abandoned a pipelined write after a staging failure", exc_info=True)
-            raise
-        return pending.future.result()
 
     def _release(self, job: SaveJob) -> None:
         """Give the arena back, once per save (after a background copy into it has finished)."""

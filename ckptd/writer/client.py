@@ -330,7 +330,7 @@ class WriterClient:
             request_id = self._next_id()
             future = self._request(WriteFiles(request_id=request_id, staged=staged, **fields))  # type: ignore[arg-type]
             channel = self._channel
-        return PendingWrite(future, lambda upto, error: self._notify(channel, Staged(request_id, upto, error)))
+        return PendingWrite(future, lambda upto, error: self._notify(channel, Staged(request_id, upto, error)), staged)
 
     def _notify(self, channel: Channel | None, message: Message) -> None:
         """Send a notice that has no answer; a writer that died meanwhile fails its request anyway."""

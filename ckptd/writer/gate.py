@@ -91,12 +91,14 @@ class PendingWrite:
     """A pipelined write in flight: ``future`` resolves like the one ``write_files`` returns;
     :meth:`advance` tells the writer how far staging has got, :meth:`abort` that it failed."""
 
-    def __init__(self, future: Future[Any], notify: Callable[[int, str], None]) -> None:
+    def __init__(self, future: Future[Any], notify: Callable[[int, str], None], staged: int) -> None:
         self.future = future
+        self.staged = staged  # what the writer has been told so far
         self._notify = notify
 
     def advance(self, upto: int) -> None:
-        """The arena bytes below ``upto`` are staged (``-1``: all of them)."""
+        """The arena bytes below ``upto`` are staged."""
+        self.staged = upto
         self._notify(upto, "")
 
     def abort(self, error: BaseException) -> None:

@@ -62,7 +62,7 @@ class InProcessWriter:
         self.ensure_running()
         gate = StagingGate(staged)
         request = WriteFiles(request_id=0, staged=staged, **fields)  # type: ignore[arg-type]
-        return PendingWrite(self._pool.submit(self._write, request, gate), gate.advance)
+        return PendingWrite(self._pool.submit(self._write, request, gate), gate.advance, staged)
 
     def _write(self, request: WriteFiles, gate: StagingGate | None = None) -> Message:
         segment = self._arenas.get(request.arena_id)
