@@ -118,7 +118,7 @@ class StagingArena:
                 cuda.append((view, source))
             else:
                 cpu.append((start, view, source, component, key))
-        handle = StageHandle(plan.arena_size)
+        handle = StageHandle(plan.arena_size, self.arena_id)
         if cuda:
             handle.cuda_event = self._queue_cuda_copies(cuda)
         elif cpu:
@@ -187,13 +187,14 @@ class StageHandle:
     """The copy of one save into its arena: ``done`` is set once every byte is there, and
     ``staged_upto`` (the watermark) is the arena offset below which every byte already is."""
 
-    def __init__(self, size: int = 0) -> None:
+    def __init__(self, size: int = 0, arena_id: int = 0) -> None:
+        self.arena_id = arena_id
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.cuda_event: Any = None
         self.cpu_pending = False
         self.size = size
-        self.background = False  # a copy on the staging thread (its error is wrapped)
+        self.background = False  # a copy on the staging thread (its error reaches wait() wrapped)
         self.staged_upto = 0
         self._cond = threading.Condition()
 
@@ -225,8 +226,8 @@ class StageHandle:
         if not self.background or isinstance(error, CkptdError):
             raise error
         raise WriterError(
-            f"the background staging copy failed ({type(error).__name__}: {error}); the save was abandoned and "
-            "nothing was committed; fix the cause, or save with staging='blocking' to see it in async_save"
+            f"copying the state into staging arena {self.arena_id} failed ({type(error).__name__}: {error}); "
+            "the save was abandoned and nothing was committed"
         ) from error
 
     def wait_staged(self, target: int) -> int:

@@ -22,8 +22,7 @@ from typing import Any
 
 from ..catalog import apply_retention
 from ..dist.group import DistContext
-from ..errors import CheckpointExistsError, CorruptCheckpointError, WriterError
-from ..formats.checksum import crc32c_combine, format_crc
+from ..errors import CheckpointExistsError, WriterError
 from ..formats.manifest import FileRecord, Manifest
 from ..formats.names import MANIFEST_NAME
 from ..options import CheckpointerOptions
@@ -35,14 +34,14 @@ from ..storage.retry import retries_of
 from ..writer.client import InProcessWriter, WriterClient
 from ..writer.protocol import FileResult, FileSpec, FilesWritten
 from .arena import StageHandle, StagingArena, StagingPool, StepGuard
-from .commit import ComponentInfo, claim_step, finalize_checkpoint
+from .commit import ComponentInfo, claim_step, combine_pieces, finalize_checkpoint
 from .coordinate import Coordinator, Outcome, Report, Round, SoloCoordinator, StoreCoordinator
 from .describe import Describer, Payload
 from .flatten import FlatComponent
 from .incremental import IncrementalPolicy, Reuse
 from .plan import RankPlan, SavePlan, plan_save
 
-__all__ = ["SaveJob", "Saver", "combine_pieces"]
+__all__ = ["SaveJob", "Saver"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +53,7 @@ class _Progress:
     owns_destination: bool = False  # we created the staging dir / won the object-store claim
     released: bool = False  # the arena went back to the pool (exactly once)
     retries: int = 0  # object-store requests retried (the writer's and this process's)
+    staged_at: float = 0.0  # when the copy into the arena started
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,9 @@ class Saver:
     ) -> SaveJob:
         """Describe, gather, plan and stage; returns the job for :meth:`complete`.
 
-        With ``background`` the copy runs on the staging thread (CUDA copies on a side stream)
-        and the next optimizer step waits for it instead of this call.
+        The copy runs on the staging thread (CUDA copies on a side stream).  With ``background``
+        the next optimizer step waits for it; otherwise the caller queues the job, so that the
+        writer starts at once, and then waits in :meth:`finish_staging`.
         """
         flats: list[FlatComponent] = []
 
@@ -165,11 +166,10 @@ class Saver:
                 staged_at = time.perf_counter()
                 try:
                     tensors = {c.name: c.tensors for c in flats}
+                    # Always on the staging thread: the writer starts on the first chunks while
+                    # the copy goes on (a blocking save then waits in finish_staging).
                     handle = arena.stage(
-                        tensors,
-                        self._stager if background else None,
-                        frozenset(reuse.reused),
-                        after_copy=self.pool.after_copy,
+                        tensors, self._stager, frozenset(reuse.reused), after_copy=self.pool.after_copy
                     )
                 except BaseException:
                     self.pool.release(arena)
@@ -184,7 +184,7 @@ class Saver:
         request.timings.update(plan=planned - started, wait=waited, stage=done - staged_at, blocking=done - started)
         if handle is None or handle.done.is_set():
             request.staged.set()
-        else:
+        elif background:
             self.guard.add(handle)
             self._stager.submit(_mark_staged, handle, request)
         return SaveJob(
@@ -200,7 +200,21 @@ class Saver:
             metrics=dict(metrics or {}),
             overwrite=overwrite,
             started=started,
+            progress=_Progress(staged_at=staged_at),
         )
+
+    def finish_staging(self, job: SaveJob) -> None:
+        """A blocking save, after its job was queued (the writer may already be writing): wait
+        for the copy and raise what it raised, as a blocking copy always did."""
+        handle = job.handle
+        if handle is None:
+            return
+        handle.done.wait()
+        now = time.perf_counter()
+        job.request.timings.update(stage=now - job.progress.staged_at, blocking=now - job.started)
+        if handle.error is not None:
+            raise handle.error
+        job.request.staged.set()
 
     def prepare(self, state: Mapping[str, Any], *, sharing: Mapping[str, Any] | None, allow_pickle: bool) -> int:
         """Plan ``state`` and allocate its staging arena now (collective like a save); returns
@@ -356,6 +370,8 @@ class Saver:
             self.pool.release(job.arena)
 
     def _commit(self, job: SaveJob, results: Sequence[FileResult], timings: dict[str, float]) -> Manifest:
+        # A blocking save measured its copy (finish_staging) after this thread took the timings.
+        timings.update({k: job.request.timings[k] for k in ("stage", "blocking") if k in job.request.timings})
         trees: dict[str, Any] = {}
         tied: dict[str, list[list[str]]] = {}
         sharing: dict[str, str] = {}
@@ -412,39 +428,3 @@ def _mark_staged(handle: StageHandle, request: SaveRequest) -> None:
 
 def _crc_int(record: FileRecord | None) -> int | None:
     return int(record.crc32c, 16) if record is not None else None
-
-
-def combine_pieces(
-    plan: SavePlan,
-    results: Sequence[FileResult],
-    reused: Mapping[str, FileRecord] | None = None,
-    hashed: Mapping[str, FileRecord] | None = None,
-) -> dict[str, FileRecord]:
-    """File records from per-piece write results: every file must be covered exactly, in order;
-    the pieces' CRC32Cs combine into the file's.  Files an incremental save did not write
-    (``reused``, or ``hashed`` ones whose checksum matched) keep the earlier checkpoint's record."""
-    by_file: dict[str, list[FileResult]] = {}
-    for result in results:
-        by_file.setdefault(result.name, []).append(result)
-    records: dict[str, FileRecord] = dict(reused or {})
-    for file in plan.files:
-        if file.file_name in records:
-            continue
-        written = by_file.get(file.file_name, [])
-        if hashed and file.file_name in hashed and written and all(r.reused for r in written):
-            records[file.file_name] = hashed[file.file_name]
-            continue
-        pieces = sorted(by_file.get(file.file_name, []), key=lambda r: r.file_offset)
-        position = 0
-        value = 0
-        for piece in pieces:
-            if piece.file_offset != position:
-                raise CorruptCheckpointError(
-                    f"{file.file_name}: bytes {position}-{piece.file_offset} were not written by any rank"
-                )
-            value = crc32c_combine(value, piece.crc32c, piece.size) if position else piece.crc32c
-            position += piece.size
-        if position != file.size:
-            raise CorruptCheckpointError(f"{file.file_name}: {position} of {file.size} bytes were written")
-        records[file.file_name] = FileRecord(file.size, format_crc(value))
-    return records

@@ -192,3 +192,51 @@ def test_the_in_process_writer_pipelines_whole_files(tmp_path):
     finally:
         hold.release.set()
         ckpt.close(wait=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_blocking_save_is_pipelined_too_and_returns_once_the_copy_is_done(hold_after_w1):
+    ckpt, hold = hold_after_w1
+    state = make_state()
+    before = written(ckpt)
+    returned: list[ckptd.SaveRequest] = []
+    caller = threading.Thread(target=lambda: returned.append(ckpt.async_save(1, state)), daemon=True)
+    caller.start()
+    assert hold.reached.wait(30)
+    wait_for(lambda: written(ckpt) - before >= 4 * MIB)  # file 1 written while async_save still copies
+    assert not returned and caller.is_alive()
+    hold.release.set()
+    caller.join(30)
+    assert len(returned) == 1
+    request = returned[0]
+    assert request.staged.is_set()
+    result = request.result(60)
+    assert result.timings["blocking"] >= result.timings["stage"] > 0
+    loaded = ckpt.load(1)["model"]
+    for key, tensor in state["model"].items():
+        assert_same(tensor, loaded[key])
+
+
+@pytest.mark.timeout(120)
+def test_a_blocking_copy_that_fails_raises_from_async_save_and_commits_nothing(root):
+    ckpt = ckptd.Checkpointer(root, max_shard_size="5MB")
+    try:
+        state = make_state()
+        ckpt.save(1, state)
+        entries = staging_entries(root)
+        ckpt._pool.after_copy = Hold("w1", error=RuntimeError("device lost while copying w1"))
+        with pytest.raises(RuntimeError, match="device lost while copying w1"):
+            ckpt.async_save(2, make_state())
+        # The queued half of the save (the writer may have started) fails too: nothing committed.
+        wait_for(lambda: ckpt.stats().saves_failed == 1 and not ckpt.pending())
+        assert "device lost while copying w1" in str(ckpt.stats().last.error)
+        assert ckpt.steps() == [1]
+        assert staging_entries(root) == entries
+        loaded = ckpt.load(1)["model"]
+        for key, tensor in state["model"].items():
+            assert_same(tensor, loaded[key])
+        ckpt._pool.after_copy = None
+        ckpt.save(3, state)
+        assert ckpt.steps() == [1, 3]
+    finally:
+        ckpt.close(wait=False)
