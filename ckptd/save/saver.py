@@ -227,7 +227,7 @@ class Saver:
         rank_plan = self._plan_for(payloads).ranks[self.rank]
         if not rank_plan.pieces:
             return 0
-        arena, _ = self.pool.acquire(rank_plan)
+        arena, _ = self.pool.acquire(rank_plan, populate=True)
         self.pool.release(arena)
         self.writer.ensure_running()  # hands the arena to the writer now, not at the first save
         return arena.size
