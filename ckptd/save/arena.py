@@ -128,7 +128,7 @@ class StagingArena:
         elif cpu:
             handle.staged_upto = cpu[0][0]  # headers and skipped files before it are in place
         # After copy i, everything below the start of copy i + 1 is staged.
-        ready_after = [c[0] for c in cpu[1:]] + [plan.arena_size]
+        ready_after = [c[0] for c in cpu[1:]] + [plan.arena_size] if cpu else []
 
         def copy_cpu() -> None:
             try:

@@ -205,16 +205,25 @@ class Saver:
 
     def finish_staging(self, job: SaveJob) -> None:
         """A blocking save, after its job was queued (the writer may already be writing): wait
-        for the copy and raise what it raised, as a blocking copy always did."""
+        for the copy and raise what it raised, as a blocking copy always did; under
+        torch.distributed, what every rank raises for the save (its error as the cause)."""
         handle = job.handle
         if handle is None:
             return
         handle.done.wait()
         now = time.perf_counter()
         job.request.timings.update(stage=now - job.progress.staged_at, blocking=now - job.started)
-        if handle.error is not None:
-            raise handle.error
-        job.request.staged.set()
+        error = handle.error
+        if error is None:
+            job.request.staged.set()
+            return
+        if self.dist is not None:
+            try:
+                job.request.result()  # the round's outcome: the other ranks learn of the failure there
+            except BaseException as failure:
+                if failure is not error:
+                    raise failure from error
+        raise error
 
     def prepare(self, state: Mapping[str, Any], *, sharing: Mapping[str, Any] | None, allow_pickle: bool) -> int:
         """Plan ``state`` and allocate its staging arena now (collective like a save); returns

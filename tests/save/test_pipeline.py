@@ -240,3 +240,16 @@ def test_a_blocking_copy_that_fails_raises_from_async_save_and_commits_nothing(r
         assert ckpt.steps() == [1, 3]
     finally:
         ckpt.close(wait=False)
+
+
+@pytest.mark.parametrize("staging", ["blocking", "background"])
+def test_a_save_that_copies_nothing_reuses_every_file(root, staging):
+    # Every file frozen: the rank's arena copy is empty, the writer writes nothing.
+    with ckptd.Checkpointer(root, max_shard_size="5MB", incremental=True) as ckpt:
+        state = make_state()
+        ckpt.save(1, state, staging=staging)
+        result = ckpt.async_save(2, state, staging=staging, frozen={"model": ["*"]}).result(60)
+        assert result.bytes_written < 4096 and result.bytes_reused > 3 * 4 * MIB  # indexes, state.json
+        loaded = ckpt.load(2)["model"]
+        for key, tensor in state["model"].items():
+            assert_same(tensor, loaded[key])
