@@ -33,6 +33,8 @@ from .catalog import (
 from .dist.group import DistContext, group_leaders
 from .errors import CheckpointNotFoundError, CkptdError, ConfigError
 from .formats.manifest import Manifest
+from .load.assign import read_components, read_keys, restore_components
+from .load.reader import CheckpointReader
 from .options import CheckpointerOptions
 from .request import SaveRequest, SaveResult
 from .save.arena import StagingPool
@@ -348,10 +350,6 @@ class Checkpointer:
         ``sharing={"model": ("per_group", group)}`` picks this group's copy of a per-group save.
         """
         self._check_open()
-        # Imported here: a training run builds its Checkpointer (and saves) long before it loads.
-        from .load.assign import read_components, read_keys, restore_components
-        from .load.reader import CheckpointReader
-
         reader = CheckpointReader.open(
             self._resolve(step),
             self.options.storage_options,

@@ -246,9 +246,8 @@ class StageHandle:
     def feed(self, pending: PendingWrite, end: int) -> Any:
         """Tell the writer of ``pending`` how far the copy has got, each time the watermark moves
         (by at least ``_PUBLISH_BYTES``, or to the end), until every byte below ``end`` is staged;
-        then return its answer.  If the copy fails, the
-        writer abandons the request (removing the file it was writing) and the copy's error is
-        raised."""
+        then return its answer.  If the copy fails, the writer abandons the request (removing the
+        file it was writing) and the copy's error is raised."""
         try:
             while pending.staged < end:  # what the writer knows, not what this handle knew earlier
                 upto = self.wait_staged(pending.staged + 1)

@@ -14,7 +14,7 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..catalog import discard_directory, read_manifest
@@ -33,7 +33,9 @@ from ..formats.names import CLAIM_NAME, MANIFEST_NAME, STATE_NAME, hf_index_name
 from ..storage import Storage
 from ..storage.local import LocalStorage
 from ..writer.protocol import FileResult
-from .plan import SavePlan
+
+if TYPE_CHECKING:
+    from .plan import SavePlan  # plan imports torch; this module must not
 
 __all__ = [
     "CLAIM_NAME",
