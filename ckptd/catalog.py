@@ -317,7 +317,6 @@ def _pid_alive(pid: int) -> bool:
 
 # ---- leftovers (what ``ckptd ls`` warns about and ``collect_garbage`` removes) -------------------
 
-
 @dataclass(frozen=True)
 class Leftover:
     """Something under a root that is not a committed checkpoint but looks like save debris.

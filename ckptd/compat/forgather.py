@@ -594,6 +594,8 @@ def _referenced_by(paths: set[str]) -> set[str]:
     return names
 
 
+
+
 def save_checkpoint_metrics(checkpoint_path: str, metrics: dict[str, float]) -> None:
     """Write ``eval_metrics.json`` into ``checkpoint_path`` (created if missing; atomic locally)."""
     path = normalize_location(checkpoint_path)
