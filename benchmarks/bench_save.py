@@ -349,6 +349,37 @@ def format_timings(timings: dict[str, float]) -> str:
     return " ".join(f"{k}={timings[k]:.3f}" for k in keys)
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (``pid=None``) or of process ``pid`` (its
+    ``/proc/<pid>/stat``; 0.0 when it is gone)."""
+    if pid is None:
+        times = os.times()
+        return times.user + times.system
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def watch_writer_start(ckpt: Any, started: float) -> dict[str, float]:
+    """Note (in the returned dict, key ``"writer_ready"``) when the Checkpointer's background
+    writer start has finished its handshake, in seconds after ``started``; polled every 5 ms on
+    a daemon thread, so the first save is not delayed by the measurement."""
+    import threading
+
+    out: dict[str, float] = {}
+
+    def watch() -> None:
+        while ckpt._writer.info is None and time.perf_counter() - started < 120:
+            time.sleep(0.005)
+        out["writer_ready"] = time.perf_counter() - started
+
+    threading.Thread(target=watch, name="bench-writer-watch", daemon=True).start()
+    return out
+
+
 def bench_ckptd(
     state: State,
     bench_dir: str,
@@ -373,7 +404,10 @@ def bench_ckptd(
         run.floors.append(floors.measure())
     root = os.path.join(bench_dir, label.replace("[", "-").replace("]", ""))
     started = time.perf_counter()
+    cpu_started = cpu_seconds()
     ckpt = ckptd.Checkpointer(root, max_shard_size="2GB")
+    constructed = time.perf_counter() - started
+    writer_ready = watch_writer_start(ckpt, started)
     if prepare:
         prepare_started = time.perf_counter()
         arena = ckpt.prepare(state)
@@ -389,21 +423,41 @@ def bench_ckptd(
                 if floors is not None:
                     run.floors.append(floors.measure())
                 started = time.perf_counter()
+                cpu_started = cpu_seconds()
+            writer_pid = ckpt.writer_pid
+            writer_cpu = cpu_seconds(writer_pid) if writer_pid else 0.0  # the first save: 0 before it exists
             call_started = time.perf_counter()
             request = ckpt.async_save(step, state, staging=staging)
             blocking = time.perf_counter() - call_started
             result = request.result()
             total = time.perf_counter() - started
+            # CPU seconds of the save: this process (all its threads) and the writer process
+            # (from /proc; for the first save, its start-up included).
+            cpu = {"trainer": cpu_seconds() - cpu_started, "writer": cpu_seconds(ckpt.writer_pid) - writer_cpu}
             (run.first_blocking if first else run.warm_blocking).add(blocking)
             (run.first_total if first else run.warm_total).add(total)
             kind = "first" if first else "warm "
+            setup = ""
+            if first:
+                ready = writer_ready.get("writer_ready", -1.0)
+                setup = f"; setup: constructor {constructed:.3f} s, writer ready at {ready:.3f} s"
+            gib = result.bytes_written / GIB
             print(
                 f"  {label} save {step} ({kind}): blocking {blocking:.3f} s, total {total:.3f} s, "
-                f"{result.bytes_written / GIB:.3f} GiB; timings {format_timings(request.timings)}",
+                f"{gib:.3f} GiB; timings {format_timings(request.timings)}; cpu trainer {cpu['trainer']:.3f} s, "
+                f"writer {cpu['writer']:.3f} s ({cpu['writer'] / max(gib, 1e-9):.3f} s/GiB){setup}",
                 flush=True,
             )
             run.details.append(
-                {"step": step, "first": first, "blocking": blocking, "total": total, "timings": dict(request.timings)}
+                {
+                    "step": step,
+                    "first": first,
+                    "blocking": blocking,
+                    "total": total,
+                    "timings": dict(request.timings),
+                    "cpu": cpu,
+                    **({"constructor": constructed, **writer_ready} if first else {}),
+                }
             )
             shutil.rmtree(result.path)
     finally:

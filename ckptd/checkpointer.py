@@ -245,7 +245,9 @@ class Checkpointer:
             )
         with self._pending_lock:
             self._pending.append(job.request)
-        self._jobs.put(job)
+        self._jobs.put(job)  # the writer starts on the first chunks while the copy goes on
+        if mode == "blocking":
+            self._saver.finish_staging(job)
         return job.request
 
     def _chosen_path(self, path: str | os.PathLike[str]) -> str:

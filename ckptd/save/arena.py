@@ -9,7 +9,9 @@ reused while the state's layout fits; when CUDA is available they are page-locke
 provides back-pressure: a save waits while all of them are still being written.
 
 Staging returns a :class:`StageHandle`.  In blocking mode the bytes are in the arena when it
-returns.  In background mode CPU tensors are copied by a staging thread, and CUDA tensors by
+returns.  In background mode CPU tensors are copied by a staging thread, in arena order, and the
+handle's watermark (:meth:`StageHandle.wait_staged`) says how far the copy has got, so the
+writer can write the first files while the last are still being copied; CUDA tensors are copied by
 ``non_blocking`` copies on a dedicated stream (ordered after the caller's current stream; a CUDA
 event marks the end), so the call returns at once; :class:`StepGuard` then makes the next
 optimizer step wait for the copies (on CUDA, by making the step's stream wait on the event, so
@@ -21,15 +23,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any
 
 import torch
 
-from ..errors import WriterError
+from ..errors import CkptdError, WriterError
 from ..formats.torch_dtypes import dtype_from_name
-from ..writer.client import InProcessWriter, WriterClient
+from ..writer.client import InProcessWriter, PendingWrite, WriterClient
 from ..writer.owner import reset_in_fork_child
 from ..writer.shm import SharedSegment
 from .plan import RankPlan
@@ -39,6 +41,9 @@ __all__ = ["StageHandle", "StagingArena", "StagingPool", "StepGuard"]
 logger = logging.getLogger(__name__)
 
 _GROWTH_ALIGNMENT = 2 * 1024 * 1024
+_PUBLISH_BYTES = 4 * 1024 * 1024  # the staging thread moves the watermark in steps of at least this
+
+AfterCopy = Callable[[str, str], None]
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -54,15 +59,19 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 class StagingArena:
     """One shared-memory segment and the typed tensor views of its current layout."""
 
-    def __init__(self, arena_id: int, size: int) -> None:
+    def __init__(self, arena_id: int, size: int, populate: bool = True) -> None:
         self.arena_id = arena_id
         # Populated: the mapping's page tables are filled now, not by a fault per page at the
-        # first copy (measured: 0.32 s instead of 0.69 s of faults for 2 GiB).
-        self.segment = SharedSegment.create(-(-size // _GROWTH_ALIGNMENT) * _GROWTH_ALIGNMENT, populate=True)
+        # first copy (measured: 0.32 s instead of 0.69 s of faults for 2 GiB).  A save that
+        # creates its arena does not populate it: its first copy faults the pages in instead,
+        # while the writer already writes the chunks copied before (same CPU, off the
+        # critical path).  The memory is reserved (fallocate) either way.
+        aligned = -(-size // _GROWTH_ALIGNMENT) * _GROWTH_ALIGNMENT
+        self.segment = SharedSegment.create(aligned, populate=populate)
         self.plan: RankPlan | None = None
         self.busy = False
         self._base: torch.Tensor | None = torch.frombuffer(self.segment.mmap, dtype=torch.uint8)
-        self._views: list[tuple[str, str, str, torch.Tensor]] = []
+        self._views: list[tuple[int, str, str, str, torch.Tensor]] = []  # arena offset, file, component, key
         self._stream: Any = None
         self.pinned = _pin(self._base)
 
@@ -80,7 +89,7 @@ class StagingArena:
                 f"staging arena {self.arena_id} holds {self.size} bytes but the rank plan needs "
                 f"{plan.arena_size}: the staging pool handed out an arena too small for the plan"
             )
-        views: list[tuple[str, str, str, torch.Tensor]] = []
+        views: list[tuple[int, str, str, str, torch.Tensor]] = []
         typed: dict[str, tuple[torch.Tensor, int]] = {}  # dtype name -> the arena as that dtype, item size
         strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> contiguous strides
         for piece in plan.pieces:
@@ -99,7 +108,8 @@ class StagingArena:
                     view = whole[0].as_strided(part.shape, stride, start // whole[1])
                 else:
                     view = base[start : start + part.nbytes].view(dtype_from_name(part.dtype)).view(part.shape)
-                views.append((piece.file_name, part.component, part.key, view))
+                views.append((start, piece.file_name, part.component, part.key, view))
+        views.sort(key=lambda v: v[0])  # copied in arena order: the watermark only moves forward
         self._views = views
         self.plan = plan
 
@@ -108,43 +118,62 @@ class StagingArena:
         tensors: Mapping[str, Mapping[str, torch.Tensor]],
         background: Executor | None = None,
         skip_files: frozenset[str] = frozenset(),
+        after_copy: AfterCopy | None = None,
     ) -> StageHandle:
         """Copy every planned local tensor (``tensors[component][key]``) into its arena slot,
         except those of ``skip_files`` (reused by an incremental save).
 
         Without ``background`` the copies are done (and CUDA ones synchronised) on return.  With
-        an executor, CPU copies run on it and CUDA copies are queued on a side stream; the
-        returned handle's ``done`` is set once every byte is in the arena.
+        an executor, CPU copies run on it in arena order, moving the handle's watermark, and CUDA
+        copies are queued on a side stream (the watermark then moves only at the end); the
+        returned handle's ``done`` is set once every byte is in the arena.  ``after_copy(component,
+        key)`` runs after each CPU copy (a test seam: it may block or raise).
         """
-        if self.plan is None:
+        plan = self.plan
+        if plan is None:
             raise WriterError(f"staging arena {self.arena_id} has no layout: call layout(plan) before stage()")
-        cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
+        cpu: list[tuple[int, torch.Tensor, torch.Tensor, str, str]] = []
         cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for file_name, component, key, view in self._views:
+        for start, file_name, component, key, view in self._views:
             if file_name in skip_files:
                 continue
             source = tensors[component][key]
-            (cuda if source.is_cuda else cpu).append((view, source))
-        handle = StageHandle()
+            if source.is_cuda:
+                cuda.append((view, source))
+            else:
+                cpu.append((start, view, source, component, key))
+        handle = StageHandle(plan.arena_size, self.arena_id)
         if cuda:
             handle.cuda_event = self._queue_cuda_copies(cuda)
+        elif cpu:
+            handle.staged_upto = cpu[0][0]  # headers and skipped files before it are in place
+        # After copy i, everything below the start of copy i + 1 is staged.
+        ready_after = [c[0] for c in cpu[1:]] + [plan.arena_size] if cpu else []
 
         def copy_cpu() -> None:
             try:
-                for view, source in cpu:
+                published = handle.staged_upto
+                track = handle.cuda_event is None
+                for (_, view, source, component, key), ready in zip(cpu, ready_after, strict=True):
                     view.copy_(source)
+                    if after_copy is not None:
+                        after_copy(component, key)
+                    if track and ready - published >= _PUBLISH_BYTES:
+                        handle.publish(ready)
+                        published = ready
                 if handle.cuda_event is not None:
                     handle.cuda_event.synchronize()
             except BaseException as e:  # noqa: BLE001 - raised by the handle's wait()
                 handle.error = e
             finally:
-                handle.done.set()
+                handle.finish()
 
         if background is None:
             copy_cpu()
             handle.wait()
         else:
             handle.cpu_pending = bool(cpu)
+            handle.background = True
             background.submit(copy_cpu)
         return handle
 
@@ -179,19 +208,79 @@ class StagingArena:
 
 
 class StageHandle:
-    """The copy of one save into its arena: ``done`` is set once every byte is there."""
+    """The copy of one save into its arena: ``done`` is set once every byte is there, and
+    ``staged_upto`` (the watermark) is the arena offset below which every byte already is."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int = 0, arena_id: int = 0) -> None:
+        self.arena_id = arena_id
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.cuda_event: Any = None
         self.cpu_pending = False
+        self.size = size
+        self.background = False  # a copy on the staging thread (its error reaches wait() wrapped)
+        self.staged_upto = 0
+        self._cond = threading.Condition()
+
+    def publish(self, upto: int) -> None:
+        """The staging thread: the arena bytes below ``upto`` are in place."""
+        with self._cond:
+            self.staged_upto = upto
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """The staging thread: the copy ended (``error`` says whether it failed)."""
+        with self._cond:
+            if self.error is None:
+                self.staged_upto = self.size
+            self.done.set()
+            self._cond.notify_all()
 
     def wait(self) -> None:
         """Block until the copies finished; raise what the copy raised."""
         self.done.wait()
-        if self.error is not None:
-            raise self.error
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        """Raise the copy's error; a background copy's as a WriterError (the caller sees it from
+        ``wait()``, long after ``async_save`` returned), the original as its cause."""
+        error = self.error
+        if error is None:
+            return
+        if not self.background or isinstance(error, CkptdError):
+            raise error
+        raise WriterError(
+            f"copying the state into staging arena {self.arena_id} failed ({type(error).__name__}: {error}); "
+            "the save was abandoned and nothing was committed"
+        ) from error
+
+    def wait_staged(self, target: int) -> int:
+        """Block until the watermark reaches ``target`` or the copy ends; returns the watermark.
+        Raises what the copy raised."""
+        with self._cond:
+            while self.staged_upto < target and not self.done.is_set():
+                self._cond.wait()
+        self._raise_error()
+        return self.staged_upto
+
+    def feed(self, pending: PendingWrite, end: int) -> Any:
+        """Tell the writer of ``pending`` how far the copy has got, each time the watermark moves
+        (by at least ``_PUBLISH_BYTES``, or to the end), until every byte below ``end`` is staged;
+        then return its answer.  If the copy fails, the writer abandons the request (removing the
+        file it was writing) and the copy's error is raised."""
+        try:
+            while pending.staged < end:  # what the writer knows, not what this handle knew earlier
+                upto = self.wait_staged(pending.staged + 1)
+                if upto > pending.staged:
+                    pending.advance(upto)
+        except BaseException as e:
+            pending.abort(e)
+            try:
+                pending.future.result()
+            except Exception:
+                logger.debug("ckptd: the writer abandoned a pipelined write after a staging failure", exc_info=True)
+            raise
+        return pending.future.result()
 
 
 class StepGuard:
@@ -258,10 +347,12 @@ class StagingPool:
         self._next_id = 0
         self._cond = threading.Condition()
         self._closed = False
+        self.after_copy: AfterCopy | None = None  # passed to every stage() (a test seam)
         reset_in_fork_child(self)
 
-    def acquire(self, plan: RankPlan) -> tuple[StagingArena, float]:
-        """A free arena laid out for ``plan``, waiting while all are busy.
+    def acquire(self, plan: RankPlan, *, populate: bool = False) -> tuple[StagingArena, float]:
+        """A free arena laid out for ``plan``, waiting while all are busy; a new arena is
+        pre-faulted only with ``populate`` (``prepare()``: the first save then only copies).
 
         Returns the arena and the seconds spent waiting (back-pressure).
         """
@@ -272,7 +363,7 @@ class StagingPool:
                     raise WriterError(
                         "the staging pool is closed: the Checkpointer was closed while a save waited for an arena"
                     )
-                arena = self._pick(plan)
+                arena = self._pick(plan, populate)
                 if arena is not None:
                     arena.busy = True
                     break
@@ -285,7 +376,7 @@ class StagingPool:
             raise
         return arena, waited
 
-    def _pick(self, plan: RankPlan) -> StagingArena | None:
+    def _pick(self, plan: RankPlan, populate: bool) -> StagingArena | None:
         free = [a for a in self._arenas if not a.busy]
         for arena in free:
             if arena.plan is not None and arena.plan.signature == plan.signature:
@@ -294,18 +385,18 @@ class StagingPool:
         if fitting:
             return min(fitting, key=lambda a: a.size)
         if len(self._arenas) < self.max_in_flight:
-            return self._create(plan.arena_size)
+            return self._create(plan.arena_size, populate)
         if free:
             victim = free[0]
             self._arenas.remove(victim)
             self.writer.detach_arena(victim.arena_id)
             victim.close()
-            return self._create(plan.arena_size)
+            return self._create(plan.arena_size, populate)
         return None
 
-    def _create(self, size: int) -> StagingArena:
+    def _create(self, size: int, populate: bool) -> StagingArena:
         self._next_id += 1
-        arena = StagingArena(self._next_id, size)
+        arena = StagingArena(self._next_id, size, populate)
         try:
             self.writer.attach_arena(arena.arena_id, arena.segment)
         except BaseException:

@@ -14,12 +14,12 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..catalog import discard_directory, read_manifest
-from ..errors import CheckpointExistsError, WriterError
-from ..formats.checksum import crc32c, format_crc
+from ..errors import CheckpointExistsError, CorruptCheckpointError, WriterError
+from ..formats.checksum import crc32c, crc32c_combine, format_crc
 from ..formats.manifest import (
     ComponentRecord,
     FileRecord,
@@ -32,8 +32,20 @@ from ..formats.manifest import (
 from ..formats.names import CLAIM_NAME, MANIFEST_NAME, STATE_NAME, hf_index_name, leftover_name
 from ..storage import Storage
 from ..storage.local import LocalStorage
+from ..writer.protocol import FileResult
 
-__all__ = ["CLAIM_NAME", "ComponentInfo", "claim_step", "finalize_checkpoint", "publish", "write_small_file"]
+if TYPE_CHECKING:
+    from .plan import SavePlan  # plan imports torch; this module must not
+
+__all__ = [
+    "CLAIM_NAME",
+    "ComponentInfo",
+    "claim_step",
+    "combine_pieces",
+    "finalize_checkpoint",
+    "publish",
+    "write_small_file",
+]
 
 
 logger = logging.getLogger(__name__)
@@ -177,3 +189,39 @@ def publish(storage: Storage, staging_dir: str, final_dir: str, *, overwrite: bo
             storage.rename_directory(replaced, final_dir)  # the old checkpoint stays the committed one
         raise
     storage.remove_tree(replaced)
+
+
+def combine_pieces(
+    plan: SavePlan,
+    results: Sequence[FileResult],
+    reused: Mapping[str, FileRecord] | None = None,
+    hashed: Mapping[str, FileRecord] | None = None,
+) -> dict[str, FileRecord]:
+    """File records from per-piece write results: every file must be covered exactly, in order;
+    the pieces' CRC32Cs combine into the file's.  Files an incremental save did not write
+    (``reused``, or ``hashed`` ones whose checksum matched) keep the earlier checkpoint's record."""
+    by_file: dict[str, list[FileResult]] = {}
+    for result in results:
+        by_file.setdefault(result.name, []).append(result)
+    records: dict[str, FileRecord] = dict(reused or {})
+    for file in plan.files:
+        if file.file_name in records:
+            continue
+        written = by_file.get(file.file_name, [])
+        if hashed and file.file_name in hashed and written and all(r.reused for r in written):
+            records[file.file_name] = hashed[file.file_name]
+            continue
+        pieces = sorted(by_file.get(file.file_name, []), key=lambda r: r.file_offset)
+        position = 0
+        value = 0
+        for piece in pieces:
+            if piece.file_offset != position:
+                raise CorruptCheckpointError(
+                    f"{file.file_name}: bytes {position}-{piece.file_offset} were not written by any rank"
+                )
+            value = crc32c_combine(value, piece.crc32c, piece.size) if position else piece.crc32c
+            position += piece.size
+        if position != file.size:
+            raise CorruptCheckpointError(f"{file.file_name}: {position} of {file.size} bytes were written")
+        records[file.file_name] = FileRecord(file.size, format_crc(value))
+    return records

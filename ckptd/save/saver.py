@@ -9,6 +9,10 @@ protocol: the coordinator prepares the destination (staging directory, or the ob
 claim), every rank writes its pieces through its writer process and reports, the coordinator
 checks every report, combines the per-piece checksums, writes the indexes, the state file and the
 manifest last, and posts the outcome, which the other ranks wait for; then retention runs.
+
+The module is longer than the usual ~450 lines: the two halves of a save (caller's thread and
+completion thread) share the :class:`SaveJob` and the pipelining handshake with the writer, and
+splitting them would put one protocol in two places.
 """
 
 from __future__ import annotations
@@ -23,8 +27,7 @@ from typing import Any
 
 from ..catalog import apply_retention
 from ..dist.group import DistContext
-from ..errors import CheckpointExistsError, CorruptCheckpointError, WriterError
-from ..formats.checksum import crc32c_combine, format_crc
+from ..errors import CheckpointExistsError, WriterError
 from ..formats.manifest import FileRecord, Manifest
 from ..formats.names import MANIFEST_NAME
 from ..options import CheckpointerOptions
@@ -36,7 +39,7 @@ from ..storage.retry import retries_of
 from ..writer.client import InProcessWriter, WriterClient
 from ..writer.protocol import FileResult, FileSpec, FilesWritten
 from .arena import StageHandle, StagingArena, StagingPool, StepGuard
-from .commit import ComponentInfo, claim_step, finalize_checkpoint
+from .commit import ComponentInfo, claim_step, combine_pieces, finalize_checkpoint
 from .coordinate import Coordinator, Outcome, Report, Round, SoloCoordinator, StoreCoordinator
 from .describe import Describer, Payload
 from .exchange import Exchange, PlanBook, Planned, planned_alone
@@ -44,7 +47,7 @@ from .flatten import FlatComponent
 from .incremental import IncrementalPolicy, Reuse
 from .plan import RankPlan, SavePlan, plan_save
 
-__all__ = ["SaveJob", "Saver", "combine_pieces"]
+__all__ = ["SaveJob", "Saver"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ class _Progress:
     owns_destination: bool = False  # we created the staging dir / won the object-store claim
     released: bool = False  # the arena went back to the pool (exactly once)
     retries: int = 0  # object-store requests retried (the writer's and this process's)
+    staged_at: float = 0.0  # when the copy into the arena started
 
 
 @dataclass(frozen=True)
@@ -145,8 +149,9 @@ class Saver:
     ) -> SaveJob:
         """Describe, gather, plan and stage; returns the job for :meth:`complete`.
 
-        With ``background`` the copy runs on the staging thread (CUDA copies on a side stream)
-        and the next optimizer step waits for it instead of this call.
+        The copy runs on the staging thread (CUDA copies on a side stream).  With ``background``
+        the next optimizer step waits for it; otherwise the caller queues the job, so that the
+        writer starts at once, and then waits in :meth:`finish_staging`.
         """
         flats: list[FlatComponent] = []
 
@@ -173,7 +178,11 @@ class Saver:
                 staged_at = time.perf_counter()
                 try:
                     tensors = {c.name: c.tensors for c in flats}
-                    handle = arena.stage(tensors, self._stager if background else None, frozenset(reuse.reused))
+                    # Always on the staging thread: the writer starts on the first chunks while
+                    # the copy goes on (a blocking save then waits in finish_staging).
+                    handle = arena.stage(
+                        tensors, self._stager, frozenset(reuse.reused), after_copy=self.pool.after_copy
+                    )
                 except BaseException:
                     self.pool.release(arena)
                     raise
@@ -187,7 +196,7 @@ class Saver:
         request.timings.update(plan=planned_at - started, wait=waited, stage=done - staged_at, blocking=done - started)
         if handle is None or handle.done.is_set():
             request.staged.set()
-        else:
+        elif background:
             self.guard.add(handle)
             self._stager.submit(_mark_staged, handle, request)
         return SaveJob(
@@ -204,7 +213,30 @@ class Saver:
             metrics=dict(metrics or {}),
             overwrite=overwrite,
             started=started,
+            progress=_Progress(staged_at=staged_at),
         )
+
+    def finish_staging(self, job: SaveJob) -> None:
+        """A blocking save, after its job was queued (the writer may already be writing): wait
+        for the copy and raise what it raised, as a blocking copy always did; under
+        torch.distributed, what every rank raises for the save (its error as the cause)."""
+        handle = job.handle
+        if handle is None:
+            return
+        handle.done.wait()
+        now = time.perf_counter()
+        job.request.timings.update(stage=now - job.progress.staged_at, blocking=now - job.started)
+        error = handle.error
+        if error is None:
+            job.request.staged.set()
+            return
+        if self.dist is not None:
+            try:
+                job.request.result()  # the round's outcome: the other ranks learn of the failure there
+            except BaseException as failure:
+                if failure is not error:
+                    raise failure from error
+        raise error
 
     def prepare(self, state: Mapping[str, Any], *, sharing: Mapping[str, Any] | None, allow_pickle: bool) -> int:
         """Plan ``state`` and allocate its staging arena now (collective like a save); returns
@@ -217,7 +249,7 @@ class Saver:
         rank_plan = planned.rank_plan
         if not rank_plan.pieces:
             return 0
-        arena, _ = self.pool.acquire(rank_plan)
+        arena, _ = self.pool.acquire(rank_plan, populate=True)
         self.pool.release(arena)
         self.writer.ensure_running()  # hands the arena to the writer now, not at the first save
         return arena.size
@@ -328,36 +360,47 @@ class Saver:
             self.cleanup.discard(job.staging)
 
     def _write(self, job: SaveJob, timings: dict[str, float]) -> list[FileResult]:
+        """Have the writer write this rank's pieces.  While a background copy is still running the
+        request is pipelined: the writer starts on the first files and is told, chunk by chunk,
+        how far the copy has got (:meth:`~ckptd.save.arena.StageHandle.feed`)."""
         started = time.perf_counter()
         rank_plan = job.rank_plan
+        handle = job.handle
         try:
-            if job.handle is not None:
-                job.handle.wait()  # background staging: the bytes must be in the arena
-            if not rank_plan.pieces or job.arena is None:
-                return []
-            future = self.writer.write_files(
-                arena_id=job.arena.arena_id,
-                directory=job.staging,
-                files=[
-                    FileSpec(
-                        p.file_name,
-                        p.arena_offset,
-                        p.size,
-                        p.file_offset,
-                        p.whole_file,
-                        _crc_int(job.reuse.hashed.get(p.file_name)) if p.whole_file else None,
-                    )
-                    for p in rank_plan.pieces
-                    if p.file_name not in job.reuse.reused
-                ],
-                storage_options=self.options.storage_options,
-                fsync=self.options.fsync,
-                chunk_size=self.options.chunk_size,
-                threads=self.options.write_threads,
-                abandon_directory=job.staging,
-                tuning=dataclasses.asdict(self.options.tuning),
-            )
-            written = future.result()
+            files = [
+                FileSpec(
+                    p.file_name,
+                    p.arena_offset,
+                    p.size,
+                    p.file_offset,
+                    p.whole_file,
+                    _crc_int(job.reuse.hashed.get(p.file_name)) if p.whole_file else None,
+                )
+                for p in rank_plan.pieces
+                if p.file_name not in job.reuse.reused
+            ]
+            if job.arena is None or not files or handle is None or handle.done.is_set():
+                if handle is not None:
+                    handle.wait()  # the bytes must be in the arena (raises what the copy raised)
+                if not files or job.arena is None:
+                    return []
+            fields: dict[str, Any] = {
+                "arena_id": job.arena.arena_id,
+                "directory": job.staging,
+                "files": files,
+                "storage_options": self.options.storage_options,
+                "fsync": self.options.fsync,
+                "chunk_size": self.options.chunk_size,
+                "threads": self.options.write_threads,
+                "abandon_directory": job.staging,
+                "tuning": dataclasses.asdict(self.options.tuning),
+            }
+            if handle is None or handle.done.is_set():
+                written = self.writer.write_files(**fields).result()
+            else:
+                end = max(f.arena_offset + f.size for f in files)
+                pending = self.writer.write_pipelined(handle.staged_upto, **fields)
+                written = handle.feed(pending, end)
         finally:
             self._release(job)
             timings["write"] = time.perf_counter() - started
@@ -375,6 +418,8 @@ class Saver:
             self.pool.release(job.arena)
 
     def _commit(self, job: SaveJob, results: Sequence[FileResult], timings: dict[str, float]) -> Manifest:
+        # A blocking save measured its copy (finish_staging) after this thread took the timings.
+        timings.update({k: job.request.timings[k] for k in ("stage", "blocking") if k in job.request.timings})
         plan = job.plan
         if plan is None:
             raise RuntimeError("only the coordinator commits")
@@ -427,39 +472,3 @@ def _mark_staged(handle: StageHandle, request: SaveRequest) -> None:
 
 def _crc_int(record: FileRecord | None) -> int | None:
     return int(record.crc32c, 16) if record is not None else None
-
-
-def combine_pieces(
-    plan: SavePlan,
-    results: Sequence[FileResult],
-    reused: Mapping[str, FileRecord] | None = None,
-    hashed: Mapping[str, FileRecord] | None = None,
-) -> dict[str, FileRecord]:
-    """File records from per-piece write results: every file must be covered exactly, in order;
-    the pieces' CRC32Cs combine into the file's.  Files an incremental save did not write
-    (``reused``, or ``hashed`` ones whose checksum matched) keep the earlier checkpoint's record."""
-    by_file: dict[str, list[FileResult]] = {}
-    for result in results:
-        by_file.setdefault(result.name, []).append(result)
-    records: dict[str, FileRecord] = dict(reused or {})
-    for file in plan.files:
-        if file.file_name in records:
-            continue
-        written = by_file.get(file.file_name, [])
-        if hashed and file.file_name in hashed and written and all(r.reused for r in written):
-            records[file.file_name] = hashed[file.file_name]
-            continue
-        pieces = sorted(by_file.get(file.file_name, []), key=lambda r: r.file_offset)
-        position = 0
-        value = 0
-        for piece in pieces:
-            if piece.file_offset != position:
-                raise CorruptCheckpointError(
-                    f"{file.file_name}: bytes {position}-{piece.file_offset} were not written by any rank"
-                )
-            value = crc32c_combine(value, piece.crc32c, piece.size) if position else piece.crc32c
-            position += piece.size
-        if position != file.size:
-            raise CorruptCheckpointError(f"{file.file_name}: {position} of {file.size} bytes were written")
-        records[file.file_name] = FileRecord(file.size, format_crc(value))
-    return records

@@ -28,6 +28,7 @@ from typing import IO
 
 from ..errors import StorageError, WriterError
 from . import protocol
+from .gate import PendingWrite
 from .inprocess import InProcessWriter
 from .owner import check_process, reset_in_fork_child
 from .protocol import (
@@ -41,11 +42,12 @@ from .protocol import (
     Ping,
     Pong,
     Shutdown,
+    Staged,
     WriteFiles,
 )
 from .shm import SharedSegment
 
-__all__ = ["InProcessWriter", "WriterClient", "describe_exit"]  # InProcessWriter: re-exported
+__all__ = ["InProcessWriter", "PendingWrite", "WriterClient", "describe_exit"]  # the first two: re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -319,6 +321,25 @@ class WriterClient:
         self.ensure_running()
         with self._lock:
             return self._request(WriteFiles(request_id=self._next_id(), **fields))  # type: ignore[arg-type]
+
+    def write_pipelined(self, staged: int, **fields: object) -> PendingWrite:
+        """Submit a pipelined :class:`~ckptd.writer.protocol.WriteFiles`: the arena bytes below
+        ``staged`` are in place, the rest follow; report them with :meth:`PendingWrite.advance`."""
+        self.ensure_running()
+        with self._lock:
+            request_id = self._next_id()
+            future = self._request(WriteFiles(request_id=request_id, staged=staged, **fields))  # type: ignore[arg-type]
+            channel = self._channel
+        return PendingWrite(future, lambda upto, error: self._notify(channel, Staged(request_id, upto, error)), staged)
+
+    def _notify(self, channel: Channel | None, message: Message) -> None:
+        """Send a notice that has no answer; a writer that died meanwhile fails its request anyway."""
+        if channel is None:
+            return
+        try:
+            channel.send(message)
+        except OSError:
+            logger.debug("ckptd writer %s: could not send %s", self.label, type(message).__name__)
 
     def ping(self, timeout: float = 10.0) -> Pong:
         """Health check: the writer answers at once, even while it writes."""

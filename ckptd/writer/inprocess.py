@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import WriterError
 from . import protocol
+from .gate import PendingWrite, StagingGate
 from .protocol import Hello, Message, Pong, WriteFiles
 from .shm import SharedSegment
 from .stream import write_files
@@ -56,7 +57,14 @@ class InProcessWriter:
         request = WriteFiles(request_id=0, **fields)  # type: ignore[arg-type]
         return self._pool.submit(self._write, request)
 
-    def _write(self, request: WriteFiles) -> Message:
+    def write_pipelined(self, staged: int, **fields: object) -> PendingWrite:
+        """Like :meth:`write_files`, for an arena still being filled (see ``WriterClient``)."""
+        self.ensure_running()
+        gate = StagingGate(staged)
+        request = WriteFiles(request_id=0, staged=staged, **fields)  # type: ignore[arg-type]
+        return PendingWrite(self._pool.submit(self._write, request, gate), gate.advance, staged)
+
+    def _write(self, request: WriteFiles, gate: StagingGate | None = None) -> Message:
         segment = self._arenas.get(request.arena_id)
         if segment is None:
             raise WriterError(
@@ -67,7 +75,12 @@ class InProcessWriter:
         self._busy = True
         try:
             return write_files(
-                request, view, checksums=self._checksums, should_stop=self._stop.is_set, on_progress=self._count
+                request,
+                view,
+                checksums=self._checksums,
+                should_stop=self._stop.is_set,
+                on_progress=self._count,
+                gate=gate,
             )
         finally:
             self._busy = False

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .._version import __version__
 from ..errors import StorageError, WriterError
 from ..storage import Stopped, storage_for
+from .gate import StagingGate
 from .protocol import (
     PROTOCOL_VERSION,
     AttachArena,
@@ -40,6 +41,7 @@ from .protocol import (
     Ping,
     Pong,
     Shutdown,
+    Staged,
     WriteFiles,
 )
 from .shm import SharedSegment
@@ -64,6 +66,8 @@ class _Writer:
         self.requests: queue.Queue[WriteFiles | None] = queue.Queue()
         self.abandon = threading.Event()
         self.current: WriteFiles | None = None
+        self.gates: dict[int, StagingGate] = {}  # pipelined requests not finished yet, by request id
+        self.gates_lock = threading.Lock()
         self.bytes_written = 0
         self.checksums = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptd-crc")
         self.worker = threading.Thread(target=self._work, name="ckptd-write", daemon=True)
@@ -109,7 +113,15 @@ class _Writer:
         elif isinstance(message, Ping):
             self.channel.send(Pong(message.request_id, self.current is not None, self.bytes_written))
         elif isinstance(message, WriteFiles):
+            if message.staged is not None:
+                with self.gates_lock:
+                    self.gates[message.request_id] = StagingGate(message.staged)
             self.requests.put(message)
+        elif isinstance(message, Staged):
+            with self.gates_lock:
+                gate = self.gates.get(message.write_id)
+            if gate is not None:  # else that request has finished (or failed) already
+                gate.advance(message.upto, message.error)
         else:
             for fd in fds:
                 os.close(fd)
@@ -144,6 +156,9 @@ class _Writer:
                 return
             except BaseException as e:  # noqa: BLE001 - every failure is reported to the parent
                 response = _failure(request.request_id, e)
+            finally:
+                with self.gates_lock:
+                    self.gates.pop(request.request_id, None)
             if self.abandon.is_set():
                 return
             self.current = None
@@ -159,6 +174,8 @@ class _Writer:
                 f"write request {request.request_id} names staging arena {request.arena_id}, "
                 f"which is not attached to the writer (attached: {sorted(self.arenas)})"
             )
+        with self.gates_lock:
+            gate = self.gates.get(request.request_id)
         view = segment.view()
         try:
             return write_files(
@@ -167,6 +184,7 @@ class _Writer:
                 checksums=self.checksums,
                 should_stop=self.abandon.is_set,
                 on_progress=self._count,
+                gate=gate,
             )
         except Stopped as e:
             raise _Abandoned() from e

@@ -9,6 +9,10 @@ Conversation:
 2. The parent sends :class:`AttachArena` (with the segment's fd) for every staging arena.
 3. For each save the parent sends :class:`WriteFiles`; the writer answers :class:`FilesWritten`
    or :class:`Failed`.  :class:`Ping` may arrive at any time and is answered at once.
+   A pipelined request (``staged`` not ``None``: the arena is still being filled) is followed by
+   :class:`Staged` notices (no answer) as the parent's staging copy advances; the writer writes
+   each chunk once the notices cover it.  A notice with ``error`` set cancels the request: the
+   writer removes the file it was writing and answers :class:`Failed`.
 4. :class:`Shutdown` (or the parent's death) ends the writer.
 
 This module imports nothing heavy: the writer process uses it too.
@@ -40,10 +44,11 @@ __all__ = [
     "Ping",
     "Pong",
     "Shutdown",
+    "Staged",
     "WriteFiles",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: pipelined writes (WriteFiles.staged, Staged)
 _MAX_FRAME = 256 * 1024 * 1024
 _MAX_FDS = 4
 
@@ -112,7 +117,9 @@ class WriteFiles(Message):
     """Write ``files`` from arena ``arena_id`` into ``directory`` (a local path or fsspec URL).
 
     ``abandon_directory`` tells the writer which directory to delete if its parent dies while
-    this request is in flight.
+    this request is in flight.  ``staged``: ``None`` when every byte is in the arena already;
+    otherwise the arena offset below which the bytes are staged so far, raised by later
+    :class:`Staged` notices (a pipelined save).
     """
 
     request_id: int
@@ -125,6 +132,17 @@ class WriteFiles(Message):
     threads: int = 1
     abandon_directory: str | None = None
     tuning: dict[str, Any] = field(default_factory=dict)
+    staged: int | None = None
+
+
+@dataclass(frozen=True)
+class Staged(Message):
+    """The arena bytes of write request ``write_id`` below ``upto`` are staged (a notice, not a
+    request: nothing answers it).  ``error`` set: staging failed, abandon that request."""
+
+    write_id: int
+    upto: int
+    error: str = ""
 
 
 @dataclass(frozen=True)

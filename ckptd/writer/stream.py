@@ -9,9 +9,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
-from ..formats.checksum import crc32c_of_view
+from ..formats.checksum import CHECKSUM_CHUNK, crc32c, crc32c_of_view
 from ..storage import Storage, StorageTuning, storage_for
 from ..storage.retry import retries_of
+from .gate import StagingGate, chunk_gate
 from .protocol import FileResult, FileSpec, FilesWritten, WriteFiles
 
 __all__ = ["write_files"]
@@ -24,6 +25,7 @@ def write_files(
     checksums: Executor,
     should_stop: Callable[[], bool],
     on_progress: Callable[[int], None],
+    gate: StagingGate | None = None,
 ) -> FilesWritten:
     """Write every file of ``request`` from ``arena``; raises on the first failure.
 
@@ -31,12 +33,16 @@ def write_files(
     not change meanwhile).  ``request.threads`` files are written at once.  When
     ``should_stop()`` turns true the current files are removed and
     :class:`~ckptd.storage.Stopped` is raised.
+
+    With a ``gate`` (a pipelined request) every read of the arena waits until the gate says its
+    bytes are staged: chunk by chunk on local storage (its ``write_view`` reads the view in
+    order, polling ``should_stop()`` before each chunk), the whole file first elsewhere.
     """
     started = time.perf_counter()
     storage = storage_for(request.directory, request.storage_options, StorageTuning(**request.tuning))
 
     def write_one(spec: FileSpec) -> FileResult:
-        return _write_file(storage, request, spec, arena, checksums, should_stop, on_progress)
+        return _write_file(storage, request, spec, arena, checksums, should_stop, on_progress, gate)
 
     if request.threads > 1 and len(request.files) > 1:
         with ThreadPoolExecutor(min(request.threads, len(request.files)), thread_name_prefix="ckptd-file") as pool:
@@ -60,15 +66,26 @@ def _write_file(
     checksums: Executor,
     should_stop: Callable[[], bool],
     on_progress: Callable[[int], None],
+    gate: StagingGate | None,
 ) -> FileResult:
     started = time.perf_counter()
     data = arena[spec.arena_offset : spec.arena_offset + spec.size]
+    path = storage.join(request.directory, spec.name)
+    end = spec.arena_offset + spec.size
+    before_chunk = should_stop
+    if gate is not None and not gate.complete:
+        if storage.local and spec.whole_file and spec.skip_if_crc is None:
+            before_chunk = chunk_gate(gate, spec.arena_offset, spec.size, request.chunk_size, path, should_stop)
+        else:
+            gate.wait(end, path, should_stop)
     if spec.skip_if_crc is not None and spec.whole_file:
         value = crc32c_of_view(data)
         if value == spec.skip_if_crc:
             return FileResult(spec.name, spec.size, value, time.perf_counter() - started, spec.file_offset, True)
-    checksum: Future[int] = checksums.submit(crc32c_of_view, data)
-    path = storage.join(request.directory, spec.name)
+    if gate is not None and not gate.complete:
+        checksum: Future[int] = checksums.submit(_gated_crc32c, data, gate, spec.arena_offset, path, should_stop)
+    else:
+        checksum = checksums.submit(crc32c_of_view, data)
     try:
         if spec.whole_file:
             storage.write_view(
@@ -76,7 +93,7 @@ def _write_file(
                 data,
                 fsync=request.fsync,
                 chunk_size=request.chunk_size,
-                should_stop=should_stop,
+                should_stop=before_chunk,
                 on_progress=on_progress,
             )
         else:
@@ -95,3 +112,15 @@ def _write_file(
         checksum.cancel()
         raise
     return FileResult(spec.name, spec.size, checksum.result(), time.perf_counter() - started, spec.file_offset)
+
+
+def _gated_crc32c(
+    data: memoryview, gate: StagingGate, arena_offset: int, what: str, should_stop: Callable[[], bool]
+) -> int:
+    """CRC32C of ``data`` (at ``arena_offset`` of the arena), each chunk once it is staged."""
+    value = 0
+    for start in range(0, len(data), CHECKSUM_CHUNK):
+        stop = min(len(data), start + CHECKSUM_CHUNK)
+        gate.wait(arena_offset + stop, what, should_stop)
+        value = crc32c(data[start:stop], value)
+    return value
