@@ -276,13 +276,8 @@ class Saver:
 
     def _plan_for(self, locals_: Sequence[Any]) -> SavePlan:
         separate = bool(self.options.incremental)
-        signature = (
-            self.options.max_shard_size,
-            self.storage.local,
-            separate,
-            ((tuple(locals_)),),
-            self.options.key_layout,
-        )
+        # plan_save's own signature (key_layout is fixed for the Saver's life, so it is not part of it)
+        signature = (self.options.max_shard_size, self.storage.local, separate, ((tuple(locals_)),))
         if self._plan is not None and self._plan.signature == signature:
             return self._plan
         self._plan = plan_save(

@@ -16,8 +16,11 @@ import pathlib
 import struct
 
 import pytest
+import torch
 from plan_cases import PLAN_CASES, plan_json
 
+import ckptd
+import ckptd.save.saver
 import ckptd.save.layout
 import ckptd.save.plan
 from ckptd.errors import ShardingError
@@ -177,3 +180,26 @@ def test_replicas_that_disagree_are_refused_naming_both_ranks():
         plan_save([[a], [sharded]], 2**20)
     with pytest.raises(ShardingError, match=r"model.'w' is sharded on some ranks but a plain tensor on rank 1"):
         plan_save([[sharded], [a]], 2**20)
+
+
+@pytest.mark.parametrize("key_layout", ["flat", "spread"])
+def test_a_save_with_an_unchanged_layout_reuses_the_plan(tmp_path, monkeypatch, key_layout):
+    """The warm save's plan comes from the Saver's cache: planning again costs ~18 µs per tensor
+    (a key_layout in the cache key once made every save re-plan)."""
+    calls: list[int] = []
+    real = ckptd.save.saver.plan_save
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckptd.save.saver, "plan_save", counting)
+    state = {"model": {"w": torch.arange(6, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}}
+    with ckptd.Checkpointer(str(tmp_path), key_layout=key_layout) as ckpt:
+        for step in range(3):
+            state["model"]["w"].add_(1)
+            ckpt.save(step, state)
+        loaded = ckpt.load(2)
+    assert len(calls) == 1, f"planned {len(calls)} times for three saves of one layout"
+    w = loaded["model"]["w"]
+    assert w.dtype == torch.float32 and w.shape == (6,) and torch.equal(w, torch.arange(6, dtype=torch.float32) + 3)
