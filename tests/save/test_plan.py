@@ -20,9 +20,9 @@ import torch
 from plan_cases import PLAN_CASES, plan_json
 
 import ckptd
-import ckptd.save.saver
 import ckptd.save.layout
 import ckptd.save.plan
+import ckptd.save.saver
 from ckptd.errors import ShardingError
 from ckptd.formats.manifest import TensorRecord
 from ckptd.formats.safetensors import DTYPE_ITEMSIZE, parse_header
