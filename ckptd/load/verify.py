@@ -4,8 +4,8 @@ A file's CRC32C is a chain: checksumming one large file from one thread leaves t
 idle while the largest shard is read.  Here a file of ``size`` bytes is cut into a first span
 of ``size % SPAN`` bytes (or ``SPAN``) and then whole spans of :data:`SPAN` bytes; each span's
 CRC32C is computed on its own, from the read pool, and the file's value is folded from them in
-order: ``crc(A + B) = shift(crc(A), len(B)) ^ crc(B)``, where ``shift`` by ``SPAN`` bytes is one
-32x32 GF(2) matrix, built once (the zlib ``crc32_combine`` method, with the matrix kept).
+order with :func:`~ckptd.formats.checksum.crc32c_combine` (``crc(A + B)`` from ``crc(A)``,
+``crc(B)`` and ``len(B)``).
 """
 
 from __future__ import annotations
@@ -13,51 +13,15 @@ from __future__ import annotations
 import itertools
 import queue
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 
-from ..formats.checksum import crc32c
+from ..formats.checksum import crc32c, crc32c_combine
 from ..storage import RangeReader
 from .direct import run_tasks
 
-__all__ = ["SPAN", "file_crcs", "shift_operator"]
+__all__ = ["SPAN", "file_crcs"]
 
 SPAN = 16 * 1024 * 1024
 """Bytes checksummed by one task."""
-
-_POLY = 0x82F63B78  # CRC32C, reflected
-
-Matrix = tuple[int, ...]
-
-
-def _times(matrix: Matrix, vector: int) -> int:
-    total, row = 0, 0
-    while vector:
-        if vector & 1:
-            total ^= matrix[row]
-        vector >>= 1
-        row += 1
-    return total
-
-
-def _compose(outer: Matrix, inner: Matrix) -> Matrix:
-    """The operator ``outer(inner(x))``."""
-    return tuple(_times(outer, column) for column in inner)
-
-
-@lru_cache(maxsize=8)
-def shift_operator(length: int) -> Matrix:
-    """The GF(2) operator that appends ``length`` zero bytes to a CRC32C register."""
-    power: Matrix = (_POLY, *(1 << n for n in range(31)))  # one zero bit
-    for _ in range(3):  # eight zero bits: one byte
-        power = _compose(power, power)
-    result: Matrix = tuple(1 << n for n in range(32))  # the identity
-    while length:
-        if length & 1:
-            result = _compose(power, result)
-        length >>= 1
-        if length:
-            power = _compose(power, power)
-    return result
 
 
 def file_crcs(files: Sequence[tuple[Callable[[], RangeReader], int]]) -> list[int]:
@@ -96,11 +60,10 @@ def file_crcs(files: Sequence[tuple[Callable[[], RangeReader], int]]) -> list[in
     finally:
         for reader in readers:
             reader.close()
-    shift = shift_operator(SPAN)
     values = []
     for out in spans:
         value = out[0] if out else 0
         for crc in out[1:]:
-            value = _times(shift, value) ^ crc
+            value = crc32c_combine(value, crc, SPAN)
         values.append(value)
     return values
