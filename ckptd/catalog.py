@@ -40,6 +40,7 @@ __all__ = [
     "checkpoint_dir_name",
     "collect_garbage",
     "Leftover",
+    "ManifestCache",
     "find_leftovers",
     "find_step",
     "discard_directory",
@@ -81,7 +82,33 @@ def find_step(storage: Storage, root: str, step: int) -> str | None:
     return None
 
 
-def read_manifest(storage: Storage, path: str) -> Manifest | None:
+class ManifestCache:
+    """Parsed manifests, reused while a manifest's bytes are unchanged.
+
+    Retention lists the root after every save; parsing and checking every manifest again each
+    time was most of the completion thread's CPU for small saves (competing with training for
+    the GIL).  A hit still reads the file and compares its bytes, so an edited or replaced
+    manifest is always parsed and checked again.  Internal: the manifests it hands out are shared
+    between listings and must not be modified.
+    """
+
+    def __init__(self) -> None:
+        self._parsed: dict[str, tuple[bytes, Manifest]] = {}
+
+    def get(self, where: str, data: bytes) -> Manifest | None:
+        found = self._parsed.get(where)
+        return found[1] if found is not None and found[0] == data else None
+
+    def put(self, where: str, data: bytes, manifest: Manifest) -> None:
+        self._parsed[where] = (data, manifest)
+
+    def keep_only(self, wheres: set[str]) -> None:
+        """Forget the manifests of checkpoints no longer listed."""
+        for where in [w for w in self._parsed if w not in wheres]:
+            del self._parsed[where]
+
+
+def read_manifest(storage: Storage, path: str, cache: ManifestCache | None = None) -> Manifest | None:
     """The manifest of a checkpoint directory, or ``None`` if it has none or it is invalid.
 
     A bad manifest (malformed, edited, a FIFO, a symlink, huge, deeply nested) never stops a
@@ -90,9 +117,14 @@ def read_manifest(storage: Storage, path: str) -> Manifest | None:
     where = storage.join(path, MANIFEST_NAME)
     try:
         data = read_small_file(storage, where, follow_symlinks=False)
+        if cache is not None and (known := cache.get(where, data)) is not None:
+            return known
         if is_foreign_manifest(data):
             return None  # another tool's commit record (Forgather's trainer): not a ckptd checkpoint
-        return Manifest.from_json(data, where)
+        manifest = Manifest.from_json(data, where)
+        if cache is not None:
+            cache.put(where, data, manifest)
+        return manifest
     except (MissingFileError, FileNotFoundError, NotADirectoryError):
         return None
     except (CkptdError, OSError) as e:
@@ -106,17 +138,20 @@ def read_manifest(storage: Storage, path: str) -> Manifest | None:
         return None
 
 
-def list_checkpoints(storage: Storage, root: str) -> list[CheckpointInfo]:
-    """Committed checkpoints under ``root``, oldest step first."""
+def list_checkpoints(storage: Storage, root: str, cache: ManifestCache | None = None) -> list[CheckpointInfo]:
+    """Committed checkpoints under ``root``, oldest step first (manifests parsed once per
+    content with a ``cache``)."""
     found = []
     for name in storage.list_names(root):
         step = parse_step(name)
         if step is None:
             continue
         path = storage.join(root, name)
-        manifest = read_manifest(storage, path)
+        manifest = read_manifest(storage, path, cache)
         if manifest is not None:
             found.append(CheckpointInfo(step, path, manifest))
+    if cache is not None:
+        cache.keep_only({storage.join(info.path, MANIFEST_NAME) for info in found})
     found.sort(key=lambda info: (info.step, info.manifest.created_utc))
     return found
 
@@ -166,11 +201,17 @@ def remove_checkpoint(storage: Storage, path: str) -> None:
     storage.remove_tree(path)
 
 
-def apply_retention(storage: Storage, root: str, keep_last: int, protect: set[str] | None = None) -> list[str]:
+def apply_retention(
+    storage: Storage,
+    root: str,
+    keep_last: int,
+    protect: set[str] | None = None,
+    cache: ManifestCache | None = None,
+) -> list[str]:
     """Keep the ``keep_last`` newest checkpoints (plus any in ``protect``, and any whose files
     the kept ones reference after incremental saves); delete the older ones."""
     protect = protect or set()
-    checkpoints = list_checkpoints(storage, root)
+    checkpoints = list_checkpoints(storage, root, cache)
     cut = max(0, len(checkpoints) - keep_last)
     kept = [info for info in checkpoints[cut:]] + [info for info in checkpoints[:cut] if info.path in protect]
     referenced = {f.checkpoint for info in kept for f in info.manifest.files.values() if f.checkpoint}

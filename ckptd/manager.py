@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .catalog import CheckpointInfo, list_checkpoints, remove_checkpoint
+from .catalog import CheckpointInfo, ManifestCache, list_checkpoints, remove_checkpoint
 from .checkpointer import Checkpointer
 from .errors import CheckpointNotFoundError, ConfigError
 from .formats.json_files import parse_json, read_small_file
@@ -170,6 +170,7 @@ class CheckpointManager:
         self._previous_handlers: dict[int, Any] = {}
         self._preserved: set[int] = set(self._read_preserved())
         self._tasks: queue.Queue[str | None] = queue.Queue()
+        self._listed = ManifestCache()  # parsed manifests, for retention after each commit
         self._retention_error: BaseException | None = None
         self._idle = threading.Condition()
         self._busy = 0
@@ -390,7 +391,7 @@ class CheckpointManager:
         not committed yet and never touched."""
         if self.policy.retains_all:
             return []
-        checkpoints = self._committed_infos()
+        checkpoints = list_checkpoints(self._storage, self.root, self._listed)
         kept = select_kept(checkpoints, self.policy, self._preserved)
         removed = []
         for info in checkpoints:

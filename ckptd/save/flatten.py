@@ -257,7 +257,9 @@ class _Encoder:
             key = self._tensor_key(path)
         elif key in self.tensors:
             raise ConfigError(f"two sharded tensors in component {self.component!r} use the key {key!r}")
-        if not tensor.requires_grad and isinstance(tensor, torch.nn.Parameter):  # (a costly isinstance)
+        # A frozen parameter.  isinstance(x, Parameter) runs Python code (Parameter's metaclass):
+        # a plain tensor, the common case by far, is told apart by its exact type first.
+        if not tensor.requires_grad and type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter):
             self.frozen.add(key)
         self.tensors[key] = tensor.detach()
         return key

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..catalog import apply_retention
+from ..catalog import ManifestCache, apply_retention
 from ..dist.group import DistContext
 from ..errors import CheckpointExistsError, WriterError
 from ..formats.manifest import FileRecord, Manifest
@@ -124,6 +124,8 @@ class Saver:
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-stage")
         self.guard = StepGuard()
         self.stats = new_recorder(root, self.rank)  # every finished save (read by Checkpointer.stats)
+        self._tuning = dataclasses.asdict(options.tuning)  # sent with every write request
+        self._listed = ManifestCache()  # retention's listing of the root, on the completion thread
 
     def close(self) -> None:
         """Stop the staging thread (after the copies in flight) and remove the step guard."""
@@ -388,7 +390,7 @@ class Saver:
                 "chunk_size": self.options.chunk_size,
                 "threads": self.options.write_threads,
                 "abandon_directory": job.staging,
-                "tuning": dataclasses.asdict(self.options.tuning),
+                "tuning": self._tuning,
             }
             if handle is None or handle.done.is_set():
                 written = self.writer.write_files(**fields).result()
@@ -444,7 +446,7 @@ class Saver:
             if self.options.keep_last is not None:
                 # Keep what saves still queued will reference once they commit.
                 protect = {job.request.path, *self.incremental.protected()}
-                apply_retention(self.storage, self.root, self.options.keep_last, protect=protect)
+                apply_retention(self.storage, self.root, self.options.keep_last, protect=protect, cache=self._listed)
             job.request.timings.update(manifest.timings)
             bytes_written = sum(f.size for f in manifest.files.values() if f.checkpoint is None)
             bytes_reused = sum(f.size for f in manifest.files.values() if f.checkpoint is not None)

@@ -25,7 +25,7 @@ import json
 import socket
 import struct
 import threading
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar
 
 __all__ = [
@@ -190,9 +190,27 @@ class Failed(Message):
 _NESTED = {("WriteFiles", "files"): FileSpec, ("FilesWritten", "results"): FileResult}
 
 
+def _plain(value: Any) -> Any:
+    """``value`` with dataclasses turned into dicts (what ``asdict`` gives, without its deep
+    copies: a message is encoded once per request, on the threads that compete with training)."""
+    names = _FIELD_NAMES.get(type(value))
+    if names is None and is_dataclass(value) and not isinstance(value, type):
+        names = _FIELD_NAMES[type(value)] = tuple(f.name for f in fields(value))
+    if names is not None:
+        return {name: _plain(getattr(value, name)) for name in names}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def encode(message: Message) -> bytes:
     """Serialize a message to JSON bytes."""
-    body = asdict(message)
+    body = _plain(message)
     body["type"] = type(message).__name__
     return json.dumps(body, separators=(",", ":")).encode("utf-8")
 
