@@ -12,9 +12,11 @@ steps three ways:
   ``torch.save``), a save every ``--every`` steps, all checkpoints kept;
 * ``ckptd``: the same saves at the same steps, through the ckptd integration.
 
-The three runs are interleaved (none, default, ckptd, none, default, ckptd...) ``--repeats``
-times per framework, and each triple gives two ratios of step time, ckptd / none and
-default / none; the table reports their medians and passes when ckptd's overhead is <= 5%.
+The three runs are interleaved ``--repeats`` times per framework, their order rotated by one
+each repeat (none, default, ckptd; then default, ckptd, none; ...), with garbage collected and
+dirty pages written back (``os.sync``) before each run; each triple gives two ratios of step
+time, ckptd / none and default / none; the table reports their medians and passes when
+ckptd's overhead is <= 5%.
 
 What is timed: from the end of the first training step to the moment every save of the run has
 been committed (the framework's call returned and, for ckptd, its pending saves were waited for).
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -346,6 +349,21 @@ def tree_bytes(root: str) -> int:
     return total
 
 
+def rotated(variants: tuple[str, ...], repeat: int) -> tuple[str, ...]:
+    """The arms in the order of ``repeat``: rotated by one each repeat, so that no arm always
+    runs first or right after another one (the order effects of one process average out)."""
+    shift = repeat % len(variants)
+    return variants[shift:] + variants[:shift]
+
+
+def settle() -> None:
+    """Before each run: collect the previous run's garbage and write back its dirty pages, so
+    neither lands inside the next run's timed window."""
+    gc.collect()
+    os.sync()
+    time.sleep(0.2)
+
+
 def measure(framework: str, variant: str, repeat: int, args: argparse.Namespace, parent: str) -> Run:
     """One run in a fresh directory (removed afterwards)."""
     root = tempfile.mkdtemp(prefix=f"{framework}-{variant}-", dir=parent)
@@ -462,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for framework in frameworks:
             for repeat in range(args.repeats):
-                for variant in VARIANTS:
+                for variant in rotated(VARIANTS, repeat):
+                    settle()
                     run = measure(framework, variant, repeat, args, parent)
                     runs.append(run)
                     print(

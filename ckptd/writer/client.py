@@ -10,6 +10,10 @@ Two locks: ``_lock`` serialises starting the writer and handing it arenas (held 
 for the writer's answers), ``_io_lock`` guards only the socket and the table of pending requests
 and is never held while waiting, so the reader thread can always fail the requests of a writer
 that died, whoever holds ``_lock``.
+
+The module is a little longer than the usual ~450 lines: the request path, the restart after a
+death and the reader thread share those two locks, and splitting them apart would spread one
+locking protocol over two modules.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import IO
 
@@ -266,8 +271,31 @@ class WriterClient:
             channel.send(message, fds)
         except OSError as e:
             pending.pop(request_id, None)
-            raise WriterError(f"cannot reach the ckptd writer ({self._exit_words()}){self._stderr_suffix()}") from e
+            with self._io_lock:
+                if self._channel is channel:
+                    self._channel = None  # its socket is dead: alive() is False, ensure_running() restarts it
+            raise _Unreachable(f"cannot reach the ckptd writer ({self._exit_words()}){self._stderr_suffix()}") from e
         return future
+
+    def _submit(self, build: Callable[[int], Message]) -> tuple[Future[Message], int, Channel | None]:
+        """Send the request ``build(request_id)`` to a running writer; returns its future, id and
+        channel.
+
+        A writer that died just before can still look alive: ``Popen.poll()`` answers "running"
+        while the reader thread is reaping it.  The send then fails and nothing reached the
+        writer, so the writer is restarted (arenas attached again) and the request sent once more.
+        """
+        for attempt in range(2):
+            try:
+                self.ensure_running()
+                with self._lock:
+                    request_id = self._next_id()
+                    return self._request(build(request_id)), request_id, self._channel
+            except _Unreachable:
+                if attempt:
+                    raise
+                logger.debug("ckptd writer %s: gone before a request reached it; restarting it", self.label)
+        raise AssertionError("unreachable")
 
     def attach_arena(self, arena_id: int, segment: SharedSegment) -> None:
         """Register a staging arena; it is handed to the writer before the next write (and again
@@ -318,18 +346,15 @@ class WriterClient:
     def write_files(self, **fields: object) -> Future[Message]:
         """Submit a :class:`~ckptd.writer.protocol.WriteFiles` request; the future resolves to
         :class:`~ckptd.writer.protocol.FilesWritten` or fails with WriterError / StorageError."""
-        self.ensure_running()
-        with self._lock:
-            return self._request(WriteFiles(request_id=self._next_id(), **fields))  # type: ignore[arg-type]
+        future, _, _ = self._submit(lambda request_id: WriteFiles(request_id=request_id, **fields))  # type: ignore[arg-type]
+        return future
 
     def write_pipelined(self, staged: int, **fields: object) -> PendingWrite:
         """Submit a pipelined :class:`~ckptd.writer.protocol.WriteFiles`: the arena bytes below
         ``staged`` are in place, the rest follow; report them with :meth:`PendingWrite.advance`."""
-        self.ensure_running()
-        with self._lock:
-            request_id = self._next_id()
-            future = self._request(WriteFiles(request_id=request_id, staged=staged, **fields))  # type: ignore[arg-type]
-            channel = self._channel
+        future, request_id, channel = self._submit(
+            lambda request_id: WriteFiles(request_id=request_id, staged=staged, **fields)  # type: ignore[arg-type]
+        )
         return PendingWrite(future, lambda upto, error: self._notify(channel, Staged(request_id, upto, error)), staged)
 
     def _notify(self, channel: Channel | None, message: Message) -> None:
@@ -413,6 +438,10 @@ class WriterClient:
     def _stderr_suffix(self) -> str:
         tail = [line for line in self._stderr_tail if line.strip()]
         return ("; its last output:\n" + "\n".join(tail[-10:])) if tail else ""
+
+
+class _Unreachable(WriterError):
+    """A request could not be sent: the writer's socket is closed (it died)."""
 
 
 def _failure_error(message: Failed) -> Exception:

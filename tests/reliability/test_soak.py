@@ -248,3 +248,27 @@ def test_save_right_after_idle_writer_exit(tmp_path: Any) -> None:
             wait_for(functools.partial(_gone, pid), timeout=10)
         assert ckpt.steps() == [2 * cycles - 2, 2 * cycles - 1]
     assert not failures, f"{len(failures)} of {cycles} saves right after the writer exited failed: {failures}"
+
+
+def test_save_while_another_thread_reaps_the_dead_writer(tmp_path: Any) -> None:
+    """The race behind the save above, made certain: while a thread reaps the killed writer,
+    ``Popen.poll()`` cannot tell it has exited (it answers "running"), so the save finds a
+    dead socket.  Nothing reached the writer: it is restarted and the save goes through."""
+    with ckptd.Checkpointer(str(tmp_path / "ckpts")) as ckpt:
+        ckpt.save(0, _state(0))
+        process = ckpt._writer._process
+        assert process is not None
+        reaping = process._waitpid_lock  # what Popen.wait() holds while it reaps
+        reaping.acquire()
+        release = threading.Timer(1.0, reaping.release)  # lets the restart reap it a moment later
+        try:
+            os.kill(process.pid, signal.SIGKILL)
+            wait_for(functools.partial(_exited, process.pid), timeout=10, interval=0.001)
+            assert process.poll() is None  # the lie: the writer is dead, poll() cannot say so
+        finally:
+            release.start()
+        ckpt.save(1, _state(1))
+        release.join()
+        assert ckpt.writer_pid not in (None, process.pid)
+        assert ckpt.steps() == [0, 1]
+        assert_same(ckpt.load(1), _state(1))
