@@ -166,4 +166,3 @@ def test_gc_removes_every_leftover_kind_but_not_a_live_owners(root: str) -> None
     collect_garbage(storage, root, older_than=60)
     assert _hidden(root) == sorted([os.path.basename(kept), leftovers[2]])
     assert [info.step for info in list_checkpoints(storage, root)] == [1]
-
