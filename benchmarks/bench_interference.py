@@ -8,7 +8,8 @@ these step shapes (``--shapes``, default both):
   about ``--step-ms`` milliseconds (one shape per value; default 5 and 30 ms);
 * ``transformer``: one training step of a small transformer encoder (2 layers, d_model 256,
   4 heads, feed-forward 1024, dropout 0; batch 8 x 128 tokens, fixed seed): forward, MSE loss
-  against a fixed random target, backward and an ``AdamW`` step (about 50-80 ms on 2 cores).
+  against a fixed random target, backward and an ``AdamW`` step (sized for roughly 50-80 ms
+  on 2 idle cores; the row label gives the step time measured before the first save).
 
 The checkpointed state is the same for every shape: the transformer-shaped state of
 ``bench_save.py`` (about ``--gib`` GiB), not the model being trained; only the training work
