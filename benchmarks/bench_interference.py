@@ -1,12 +1,21 @@
 #!/usr/bin/env python
 """Benchmark how much a checkpoint being written slows a CPU training loop.
 
-The "training loop" is fixed CPU work per step: ``x = tanh(x @ w)`` on 1024x1024 fp32 matrices,
-repeated so that one step takes about ``--step-ms`` milliseconds with torch's default threads
-(all cores). The script builds the transformer-shaped state of ``bench_save.py`` (about ``--gib``
-GiB) and, for each saver, repeats ``--repeats`` times:
+A "training loop" is fixed CPU work per step, with torch's default threads (all cores), in one of
+these step shapes (``--shapes``, default both):
 
-1. ``--baseline-steps`` steps with no save running (the baseline of that saver);
+* ``matmul``: ``x = tanh(x @ w)`` on 1024x1024 fp32 matrices, repeated so that one step takes
+  about ``--step-ms`` milliseconds (one shape per value; default 5 and 30 ms);
+* ``transformer``: one training step of a small transformer encoder (2 layers, d_model 256,
+  4 heads, feed-forward 1024, dropout 0; batch 8 x 128 tokens, fixed seed): forward, MSE loss
+  against a fixed random target, backward and an ``AdamW`` step (sized for roughly 50-80 ms
+  on 2 idle cores; the row label gives the step time measured before the first save).
+
+The checkpointed state is the same for every shape: the transformer-shaped state of
+``bench_save.py`` (about ``--gib`` GiB), not the model being trained; only the training work
+differs. For each step shape and saver, the script repeats ``--repeats`` times:
+
+1. ``--baseline-steps`` steps with no save running (the baseline of that saver and shape);
 2. start one save of the state and run steps until the save is done.
 
 The savers, each with one untimed warm-up save first (arena allocation, process start):
@@ -16,15 +25,17 @@ The savers, each with one untimed warm-up save first (arena allocation, process 
 * DCP ``async_save`` in process mode with a reused shared-memory ``DefaultStager`` (staging is
   synchronous, as in ``bench_save.py``); steps run while its upload future is not done.
 
-Reported per saver and step shape (``--step-ms``, default 5 and 30 ms): median step time with
-no save, median step time while the save is written, their ratio (the target is <= 1.10x), and
-the training time lost per save (the step time spent beyond the no-save median by the steps
-run during the save, per save): a saver that slows steps a lot for a short time can lose
-less than one that slows them a little for long.
+Reported per saver and step shape: median step time with no save, median step time while the
+save is written, their ratio (the target is <= 1.10x), and the training time lost per save (the
+step time spent beyond the no-save median by the steps run during the save, per save): a saver
+that slows steps a lot for a short time can lose less than one that slows them a little for long.
+The JSON gives each result's step shape (``shape``: its kind and sizes, and for ``matmul`` the
+number of matmuls per step).
 
 Example::
 
     python benchmarks/bench_interference.py --gib 2 --repeats 3 --json interference.json
+    python benchmarks/bench_interference.py --shapes transformer --skip-dcp
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -71,10 +82,39 @@ class Pending(Protocol):
     def result(self, timeout: float | None = None) -> Any: ...
 
 
-# ---- the training loop ---------------------------------------------------------------------
+# ---- the training loops --------------------------------------------------------------------
+
+SHAPES = ("matmul", "transformer")
+
+# The small transformer of the "transformer" step shape.
+LAYERS = 2
+D_MODEL = 256
+HEADS = 4
+FEED_FORWARD = 1024
+SEQUENCE = 128
+BATCH = 8
 
 
-class TrainLoop:
+class StepLoop(Protocol):
+    """A training loop: one ``step()`` of fixed work, a ``label`` for the rows and a JSON ``shape``."""
+
+    label: str
+    shape: dict[str, Any]
+
+    def describe(self) -> str: ...
+
+    def step(self) -> float: ...
+
+
+def typical_step(step: Callable[[], float], warm_up: int, samples: int) -> float:
+    """Seconds of one step after ``warm_up`` steps (allocator, thread pool, CPU clocks): the lowest
+    of three medians of ``samples`` steps, so that a burst of load elsewhere does not decide it."""
+    for _ in range(warm_up):
+        step()
+    return min(statistics.median(step() for _ in range(samples)) for _ in range(3))
+
+
+class MatmulLoop:
     """Fixed CPU work per step: ``x = tanh(x @ w)`` ``matmuls`` times on 1024x1024 fp32."""
 
     def __init__(self, step_seconds: float, seed: int = 0) -> None:
@@ -82,10 +122,19 @@ class TrainLoop:
         self.x = torch.randn(MATRIX, MATRIX, generator=gen)
         self.w = torch.randn(MATRIX, MATRIX, generator=gen) / MATRIX**0.5
         self.matmuls = 1
-        for _ in range(10):  # warm-up (allocator, thread pool, CPU clocks)
-            self.step()
-        one = min(statistics.median(self.step() for _ in range(10)) for _ in range(3))
+        one = typical_step(self.step, warm_up=10, samples=10)
         self.matmuls = max(1, round(step_seconds / one))
+        self.label = f"matmul step ~{step_seconds * 1e3:.0f} ms ({self.matmuls} matmul(s) here)"
+        self.shape = {
+            "kind": "matmul",
+            "target_ms": step_seconds * 1e3,
+            "matrix": MATRIX,
+            "matmuls": self.matmuls,
+            "one_matmul_ms": one * 1e3,
+        }
+
+    def describe(self) -> str:
+        return f"{self.matmuls} x tanh(x @ w), 1024x1024 fp32"
 
     def step(self) -> float:
         """Run one step; returns its wall time in seconds."""
@@ -94,6 +143,55 @@ class TrainLoop:
         for _ in range(self.matmuls):
             x = torch.tanh(x @ self.w)
         self.x = x
+        return time.perf_counter() - started
+
+
+class TransformerLoop:
+    """One training step of a small transformer encoder: forward, MSE loss, backward, ``AdamW`` step."""
+
+    def __init__(self, seed: int = 0) -> None:
+        from torch import nn
+
+        with torch.random.fork_rng(devices=[]):  # seeded weights without moving the global generator
+            torch.manual_seed(seed)
+            layer = nn.TransformerEncoderLayer(D_MODEL, HEADS, FEED_FORWARD, dropout=0.0, batch_first=True)
+            self.model = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+        gen = torch.Generator().manual_seed(seed + 1)
+        self.inputs = torch.randn(BATCH, SEQUENCE, D_MODEL, generator=gen)
+        self.targets = torch.randn(BATCH, SEQUENCE, D_MODEL, generator=gen)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.loss = float("nan")
+        typical = typical_step(self.step, warm_up=5, samples=5)
+        self.label = f"small transformer fwd+bwd+AdamW (~{typical * 1e3:.0f} ms)"
+        parameters = sum(p.numel() for p in self.model.parameters())
+        self.shape = {
+            "kind": "transformer",
+            "layers": LAYERS,
+            "d_model": D_MODEL,
+            "heads": HEADS,
+            "feed_forward": FEED_FORWARD,
+            "sequence": SEQUENCE,
+            "batch": BATCH,
+            "parameters": parameters,
+            "optimizer": "AdamW(lr=1e-4)",
+            "step_ms_at_start": typical * 1e3,
+        }
+
+    def describe(self) -> str:
+        params = self.shape["parameters"] / 1e6
+        return (
+            f"TransformerEncoder {LAYERS} layers, d_model {D_MODEL}, {HEADS} heads, feed-forward {FEED_FORWARD}, "
+            f"{params:.2f} M parameters; batch {BATCH} x {SEQUENCE} tokens; forward + MSE + backward + AdamW"
+        )
+
+    def step(self) -> float:
+        """Run one training step; returns its wall time in seconds."""
+        started = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(self.model(self.inputs), self.targets)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss = loss.item()
         return time.perf_counter() - started
 
 
@@ -109,6 +207,7 @@ class Interference:
     during: list[float] = field(default_factory=list)
     saves: list[dict[str, Any]] = field(default_factory=list)
     note: str = ""
+    shape: dict[str, Any] = field(default_factory=dict)
 
     @property
     def baseline_median(self) -> float:
@@ -131,7 +230,7 @@ class Interference:
 
 def measure_interference(
     label: str,
-    loop: TrainLoop,
+    loop: StepLoop,
     start_save: Callable[[int], Pending],
     finish_save: Callable[[int, Any], None],
     repeats: int,
@@ -142,7 +241,7 @@ def measure_interference(
     ``start_save(i)`` starts save ``i`` and returns its future; ``finish_save(i, result)`` cleans
     up after it (untimed).
     """
-    measured = Interference(label)
+    measured = Interference(label, shape=dict(loop.shape))
     for i in range(repeats):
         measured.baseline += [loop.step() for _ in range(baseline_steps)]
         started = time.perf_counter()
@@ -181,7 +280,7 @@ def measure_interference(
 
 def bench_ckptd(
     label: str,
-    loop: TrainLoop,
+    loop: StepLoop,
     state: State,
     bench_dir: str,
     repeats: int,
@@ -207,7 +306,7 @@ def bench_ckptd(
     return measured
 
 
-def bench_dcp(loop: TrainLoop, state: State, bench_dir: str, repeats: int, baseline_steps: int) -> Interference:
+def bench_dcp(loop: StepLoop, state: State, bench_dir: str, repeats: int, baseline_steps: int) -> Interference:
     """DCP ``async_save`` in process mode with a reused shared-memory stager."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -275,10 +374,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gib", type=float, default=2.0, help="state size in GiB (default 2.0)")
     parser.add_argument("--repeats", type=int, default=3, help="saves per saver (default 3)")
     parser.add_argument(
+        "--shapes",
+        type=lambda v: [x.strip() for x in v.split(",") if x.strip()],
+        default=list(SHAPES),
+        help=f"comma-separated step shapes, of {','.join(SHAPES)} (default: all; matmul is one shape per --step-ms)",
+    )
+    parser.add_argument(
         "--step-ms",
         type=lambda v: [float(x) for x in v.split(",")],
         default=[5.0, 30.0],
-        help="comma-separated target step times in ms, one step shape each (default 5,30)",
+        help="comma-separated target step times in ms of the matmul shapes, one shape each (default 5,30)",
     )
     parser.add_argument(
         "--baseline-steps", type=int, default=30, help="steps with no save before each save (default 30)"
@@ -289,7 +394,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.gib <= 0 or args.repeats < 1 or min(args.step_ms) <= 0 or args.baseline_steps < 1:
         parser.error("--gib and --step-ms must be > 0, --repeats and --baseline-steps >= 1")
+    unknown = sorted(set(args.shapes) - set(SHAPES))
+    if unknown or not args.shapes:
+        parser.error(f"--shapes: unknown or no step shape(s) {unknown}; choose from {','.join(SHAPES)}")
     return args
+
+
+def make_loops(args: argparse.Namespace) -> Iterator[StepLoop]:
+    """The training loops of ``--shapes``, in order, each built (and timed) when its turn comes."""
+    for kind in args.shapes:
+        if kind == "matmul":
+            for step_ms in args.step_ms:
+                yield MatmulLoop(step_ms / 1e3)
+        else:
+            yield TransformerLoop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,10 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         count = sum(1 for _ in iter_tensors(state))
         print(f"state: {total / GIB:.3f} GiB, {count} tensors")
         results = []
-        for step_ms in args.step_ms:
-            loop = TrainLoop(step_ms / 1e3)
-            shape = f"step ~{step_ms:.0f} ms ({loop.matmuls} matmul(s) here)"
-            print(f"step: {loop.matmuls} x tanh(x @ w), 1024x1024 fp32, torch threads {torch.get_num_threads()}")
+        for loop in make_loops(args):
+            shape = loop.label
+            print(f"step: {shape}: {loop.describe()}, torch threads {torch.get_num_threads()}")
             common = (loop, state, bench_dir, args.repeats, args.baseline_steps)
             results.append(
                 timed_phase(f"ckptd, defaults, {shape}", lambda c=common, s=shape: bench_ckptd(f"ckptd, {s}", *c))
@@ -317,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
             if not args.skip_dcp:
                 results.append(timed_phase(f"DCP async_save, process mode, {shape}", lambda c=common: bench_dcp(*c)))
                 results[-1].label += f", {shape}"
+            del loop, common
+            free_memory()
         print(f"\n== results: {total / GIB:.3f} GiB state, {args.repeats} saves per saver")
         for r in results:
             print(f"{r.label}: {r.note}")
@@ -328,7 +447,6 @@ def main(argv: list[str] | None = None) -> int:
                     "command": command,
                     "machine": machine,
                     "state": {"bytes": total, "tensors": count},
-                    "matmuls_per_step": loop.matmuls,
                     "torch_threads": torch.get_num_threads(),
                     "results": [
                         {
