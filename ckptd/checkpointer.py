@@ -39,6 +39,7 @@ from .options import CheckpointerOptions
 from .request import SaveRequest, SaveResult
 from .save.arena import StagingPool
 from .save.saver import SaveJob, Saver
+from .save.throttle import StepMonitor
 from .stats import StatsSummary
 from .storage import in_process_only, is_local, local_path, normalize_location, storage_for
 from .storage.cleanup import Cleanup
@@ -108,6 +109,10 @@ class Checkpointer:
             else DistContext.detect(process_group, self.options.coordinator_rank, self.options.dist_timeout)
         )
         self._pool = StagingPool(self._writer, self.options.max_in_flight)
+        self._steps: StepMonitor | None = None
+        if self.options.throttle:
+            self._steps = StepMonitor(self._writer.throttle)
+            self._steps.install()
         self._saver = Saver(
             root=self.root,
             storage=self.storage,
@@ -116,6 +121,7 @@ class Checkpointer:
             pool=self._pool,
             cleanup=self._cleanup,
             dist=self._dist,
+            steps=self._steps,
         )
         self._jobs: queue.Queue[SaveJob | None] = queue.Queue()
         self._pending: list[SaveRequest] = []
@@ -284,7 +290,23 @@ class Checkpointer:
 
     def save(self, step: int, state: Mapping[str, Any], **kwargs: Any) -> SaveResult:
         """Save and wait for the commit; same arguments as :meth:`async_save`."""
-        return self.async_save(step, state, **kwargs).result()
+        request = self.async_save(step, state, **kwargs)
+        self._release_throttle()
+        return request.result()
+
+    def mark_step(self) -> None:
+        """Tell the adaptive throttle (``throttle=True``) that a training step began.
+
+        Torch optimizer steps are timed without it; call it once per step in loops that do not
+        call ``optimizer.step()``.  Without ``throttle=True`` it does nothing.
+        """
+        if self._steps is not None:
+            self._steps.step()
+
+    def _release_throttle(self) -> None:
+        """The caller is about to wait for saves: nobody trains, so write at full speed."""
+        if self._steps is not None and self._pending:
+            self._steps.release()
 
     def _start_writer(self) -> None:
         try:
@@ -389,13 +411,16 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every pending save; raises the first failure among them."""
         self._check_process()
+        self._release_throttle()
         deadline = None if timeout is None else time.monotonic() + timeout
         for request in self.pending():
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             request.result(remaining)
 
     def health_check(self, timeout: float = 10.0) -> dict[str, Any]:
-        """Ping the writer (starting it if needed); returns its pid, state and bytes written."""
+        """Ping the writer (starting it if needed); returns its pid, state, bytes written and
+        the adaptive throttle's current limit (``write_rate`` in bytes/s, ``None`` when
+        unthrottled) and seconds it has held writes back."""
         self._check_process()
         self._check_open()
         self._writer.ensure_running()
@@ -407,6 +432,8 @@ class Checkpointer:
             "restarts": self._writer.restarts,
             "arena_bytes": self._pool.bytes_reserved,
             "pending_saves": len(self.pending()),
+            "write_rate": pong.write_rate,
+            "throttled_seconds": pong.throttled_seconds,
         }
 
     @property
@@ -423,6 +450,7 @@ class Checkpointer:
             return  # a fork() child: the parent's saves, writer and arenas are the parent's to finish
         try:
             if wait:
+                self._release_throttle()
                 for request in self.pending():
                     try:
                         request.result()
@@ -433,6 +461,8 @@ class Checkpointer:
             if wait:
                 self._completer.join()
             self._saver.close()
+            if self._steps is not None:
+                self._steps.close()
             self._writer.close()
             self._pool.close()
             self._cleanup.drain(self.options.cleanup_timeout if wait else 0.0)

@@ -126,6 +126,9 @@ class CheckpointerOptions:
         ``writer_nice``: CPU niceness increment of the writer (default 10: when training keeps
         the cores busy the writer yields; on idle cores it runs at full speed).
         ``writer_ionice``: best-effort I/O priority of the writer (0 highest, 7 lowest; ``None``: leave).
+        ``throttle``: adaptive I/O throttle (``CKPTD_THROTTLE=1``): while a save is written,
+        training steps are timed (optimizer steps, or ``mark_step()``) and the writer slows down
+        while they are more than 10% slower than without a save (see :mod:`ckptd.save.throttle`).
         ``direct_io``: write local files with ``O_DIRECT`` (falls back to buffered writes where
         the filesystem refuses it).  ``drop_cache``: drop written files from the page cache once durable.
     Object stores:
@@ -154,6 +157,7 @@ class CheckpointerOptions:
     writer_start_timeout: float = DEFAULT_WRITER_START_TIMEOUT
     writer_nice: int = DEFAULT_WRITER_NICE
     writer_ionice: int | None = DEFAULT_WRITER_IONICE
+    throttle: bool = False
     direct_io: bool = True
     drop_cache: bool = True
     storage_options: dict[str, Any] = field(default_factory=dict)
@@ -205,6 +209,9 @@ class CheckpointerOptions:
             raw = os.environ.get(variable)
             if raw:
                 values[name] = _parse_seconds(raw, variable)
+        raw = os.environ.get("CKPTD_THROTTLE")
+        if raw:
+            values["throttle"] = _parse_flag(raw, "CKPTD_THROTTLE")
         return cls().with_overrides(**values).with_overrides(**overrides)
 
     def with_overrides(self, **overrides: Any) -> CheckpointerOptions:
@@ -248,3 +255,12 @@ def _parse_seconds(raw: str, variable: str) -> float:
     if not value > 0:
         raise ConfigError(f"{variable} must be positive, got {raw!r}")
     return value
+
+
+def _parse_flag(raw: str, variable: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{variable} must be 1/0, true/false, yes/no or on/off, got {raw!r}")

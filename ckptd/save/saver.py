@@ -46,6 +46,7 @@ from .exchange import Exchange, PlanBook, Planned, planned_alone
 from .flatten import FlatComponent
 from .incremental import IncrementalPolicy, Reuse
 from .plan import RankPlan, SavePlan, plan_save
+from .throttle import StepMonitor
 
 __all__ = ["SaveJob", "Saver"]
 
@@ -99,6 +100,7 @@ class Saver:
         cleanup: Cleanup,
         dist: DistContext | None,
         coordinator: Coordinator | None = None,
+        steps: StepMonitor | None = None,
     ) -> None:
         self.root = root
         self.storage = storage
@@ -107,6 +109,7 @@ class Saver:
         self.pool = pool
         self.cleanup = cleanup
         self.dist = dist
+        self.steps = steps  # the adaptive throttle's step monitor (throttle=True)
         self.rank = dist.rank if dist else 0
         self.describer = Describer(storage, root, dist)
         self.incremental = IncrementalPolicy(storage, root, options.incremental)
@@ -363,6 +366,7 @@ class Saver:
         started = time.perf_counter()
         rank_plan = job.rank_plan
         handle = job.handle
+        writing = False
         try:
             files = [
                 FileSpec(
@@ -392,6 +396,9 @@ class Saver:
                 "abandon_directory": job.staging,
                 "tuning": self._tuning,
             }
+            if self.steps is not None:
+                self.steps.writing_started()
+                writing = True
             if handle is None or handle.done.is_set():
                 written = self.writer.write_files(**fields).result()
             else:
@@ -399,11 +406,15 @@ class Saver:
                 pending = self.writer.write_pipelined(handle.staged_upto, **fields)
                 written = handle.feed(pending, end)
         finally:
+            if writing and self.steps is not None:
+                self.steps.writing_finished()
             self._release(job)
             timings["write"] = time.perf_counter() - started
         if not isinstance(written, FilesWritten):
             raise WriterError(f"unexpected writer answer {written!r}")
         job.progress.retries += written.retries
+        if written.throttled:
+            timings["throttled"] = written.throttled
         return list(written.results)
 
     def _release(self, job: SaveJob) -> None:

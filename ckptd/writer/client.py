@@ -48,6 +48,7 @@ from .protocol import (
     Pong,
     Shutdown,
     Staged,
+    Throttle,
     WriteFiles,
 )
 from .shm import SharedSegment
@@ -365,6 +366,13 @@ class WriterClient:
             channel.send(message)
         except OSError:
             logger.debug("ckptd writer %s: could not send %s", self.label, type(message).__name__)
+
+    def throttle(self, action: str) -> None:
+        """Adjust the writer's adaptive I/O throttle (``"slower"``, ``"faster"``, ``"release"``);
+        a notice, so the training thread never waits for it."""
+        with self._io_lock:
+            channel = self._channel
+        self._notify(channel, Throttle(action))
 
     def ping(self, timeout: float = 10.0) -> Pong:
         """Health check: the writer answers at once, even while it writes."""

@@ -89,6 +89,9 @@ class InProcessWriter:
     def _count(self, written: int) -> None:
         self._bytes_written += written
 
+    def throttle(self, action: str) -> None:
+        """No throttle here: the in-process writer serves ``memory://``, which does no I/O."""
+
     def ping(self, timeout: float = 10.0) -> Pong:
         return Pong(0, self._busy, self._bytes_written)
 

@@ -13,6 +13,7 @@ deletes that save's staging directory, unmaps every arena and exits.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import queue
@@ -42,10 +43,12 @@ from .protocol import (
     Pong,
     Shutdown,
     Staged,
+    Throttle,
     WriteFiles,
 )
 from .shm import SharedSegment
 from .stream import write_files
+from .throttle import WriteThrottle
 
 __all__ = ["main"]
 
@@ -69,6 +72,7 @@ class _Writer:
         self.gates: dict[int, StagingGate] = {}  # pipelined requests not finished yet, by request id
         self.gates_lock = threading.Lock()
         self.bytes_written = 0
+        self.throttle = WriteThrottle()
         self.checksums = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptd-crc")
         self.worker = threading.Thread(target=self._work, name="ckptd-write", daemon=True)
 
@@ -111,12 +115,22 @@ class _Writer:
                 segment.close()
             self.channel.send(Ok(message.request_id))
         elif isinstance(message, Ping):
-            self.channel.send(Pong(message.request_id, self.current is not None, self.bytes_written))
+            self.channel.send(
+                Pong(
+                    message.request_id,
+                    self.current is not None,
+                    self.bytes_written,
+                    self.throttle.rate,
+                    self.throttle.throttled_seconds,
+                )
+            )
         elif isinstance(message, WriteFiles):
             if message.staged is not None:
                 with self.gates_lock:
                     self.gates[message.request_id] = StagingGate(message.staged)
             self.requests.put(message)
+        elif isinstance(message, Throttle):
+            self.throttle.adjust(message.action)
         elif isinstance(message, Staged):
             with self.gates_lock:
                 gate = self.gates.get(message.write_id)
@@ -177,8 +191,10 @@ class _Writer:
         with self.gates_lock:
             gate = self.gates.get(request.request_id)
         view = segment.view()
+        self.throttle.reset()  # every save starts at full speed
+        slept_before = self.throttle.throttled_seconds
         try:
-            return write_files(
+            written = write_files(
                 request,
                 view,
                 checksums=self.checksums,
@@ -186,6 +202,7 @@ class _Writer:
                 on_progress=self._count,
                 gate=gate,
             )
+            return dataclasses.replace(written, throttled=self.throttle.throttled_seconds - slept_before)
         except Stopped as e:
             raise _Abandoned() from e
         finally:
@@ -193,6 +210,7 @@ class _Writer:
 
     def _count(self, written: int) -> None:
         self.bytes_written += written
+        self.throttle.consume(written, self.abandon.is_set)
 
 
 def _failure(request_id: int, error: BaseException) -> Failed:

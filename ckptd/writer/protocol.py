@@ -45,10 +45,11 @@ __all__ = [
     "Pong",
     "Shutdown",
     "Staged",
+    "Throttle",
     "WriteFiles",
 ]
 
-PROTOCOL_VERSION = 2  # 2: pipelined writes (WriteFiles.staged, Staged)
+PROTOCOL_VERSION = 3  # 2: pipelined writes (WriteFiles.staged, Staged); 3: Throttle
 _MAX_FRAME = 256 * 1024 * 1024
 _MAX_FDS = 4
 
@@ -146,6 +147,14 @@ class Staged(Message):
 
 
 @dataclass(frozen=True)
+class Throttle(Message):
+    """Adjust the writer's adaptive I/O throttle (a notice: nothing answers it).  ``action`` is
+    ``"slower"``, ``"faster"`` or ``"release"`` (see :mod:`ckptd.writer.throttle`)."""
+
+    action: str
+
+
+@dataclass(frozen=True)
 class Ping(Message):
     request_id: int
 
@@ -165,6 +174,8 @@ class Pong(Message):
     request_id: int
     busy: bool
     bytes_written: int
+    write_rate: float | None = None  # the throttle's current limit in bytes/s (None: unthrottled)
+    throttled_seconds: float = 0.0  # slept by the throttle since the writer started
 
 
 @dataclass(frozen=True)
@@ -173,6 +184,7 @@ class FilesWritten(Message):
     results: list[FileResult]
     seconds: float
     retries: int = 0  # object-store requests the writer retried for these files
+    throttled: float = 0.0  # seconds the adaptive throttle held these writes back
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,127 @@
+"""The trainer's half of the adaptive I/O throttle: watch training steps, tell the writer.
+
+With ``Checkpointer(..., throttle=True)`` a :class:`StepMonitor` times the training steps (a
+global optimizer step pre-hook, or :meth:`~ckptd.Checkpointer.mark_step` for loops without a
+torch optimizer).  Intervals between steps while no save is being written form the baseline
+(the median of the last :data:`BASELINE_STEPS`).  While a save is written, each
+:data:`WINDOW_STEPS` steps are compared with it: a median above ``limit`` (1.10x) tells the
+writer to slow down (it halves its rate, see :mod:`ckptd.writer.throttle`), one below
+``relax`` (1.03x) lets it speed up again, and in between "hold" keeps the limit (only after a
+"slower": an unthrottled writer is told nothing).  A "slower" that did not make the next window
+at least 3% faster shows the writer is not what slows training (another process, the data
+loader): the limit is released and that save is left alone.  A throttled writer that hears nothing for a
+while (nobody trains) lifts the limit by itself.  The step that spans the start of a write (it holds
+the ``async_save`` call) is not counted.  Each save starts at full speed; ``wait()`` and
+``close()`` release the limit, since nobody trains while they wait.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["BASELINE_STEPS", "WINDOW_STEPS", "StepMonitor"]
+
+BASELINE_STEPS = 16
+WINDOW_STEPS = 4
+_MIN_BASELINE = 4  # steps without a save needed before any decision
+_HELPED = 0.97  # after a "slower", the next window must be at least 3% faster to go on
+
+
+class StepMonitor:
+    """Times training steps and sends ``"slower"`` / ``"faster"`` to the writer (``send``)."""
+
+    def __init__(
+        self,
+        send: Callable[[str], None],
+        *,
+        limit: float = 1.10,
+        relax: float = 1.03,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._send = send
+        self.limit = limit
+        self.relax = relax
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._baseline: deque[float] = deque(maxlen=BASELINE_STEPS)
+        self._window: list[float] = []
+        self._last: float | None = None
+        self._writing = 0
+        self._slowed = False  # "slower" was sent during the current write
+        self._slowed_at: float | None = None  # the step-time ratio that made the last "slower"
+        self._gave_up = False  # slowing down did not help this write: leave it alone
+        self.sent: deque[str] = deque(maxlen=256)  # the last actions sent, in order
+        self._hook: Any = None
+
+    def install(self) -> None:
+        """Time every torch optimizer step from now on (one global pre-hook)."""
+        if self._hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._hook = register_optimizer_step_pre_hook(lambda *_: self.step())
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def writing_started(self) -> None:
+        """A save's write began (the completion thread)."""
+        with self._lock:
+            self._writing += 1
+            self._slowed = False
+            self._slowed_at = None
+            self._gave_up = False
+            self._window.clear()
+            self._last = None  # the step in progress holds the async_save call: not counted
+
+    def writing_finished(self) -> None:
+        with self._lock:
+            self._writing = max(0, self._writing - 1)
+            self._window.clear()
+            self._last = None  # the step in progress overlapped the write: not a baseline step
+
+    def step(self) -> None:
+        """One training step began (the optimizer pre-hook, or ``mark_step()``)."""
+        action = None
+        with self._lock:
+            now = self._clock()
+            last, self._last = self._last, now
+            if last is None:
+                return
+            interval = now - last
+            if not self._writing:
+                self._baseline.append(interval)
+                return
+            self._window.append(interval)
+            if len(self._baseline) < _MIN_BASELINE or len(self._window) < WINDOW_STEPS:
+                return
+            ratio = statistics.median(self._window) / statistics.median(self._baseline)
+            self._window.clear()
+            if self._gave_up:
+                return
+            if ratio > self.limit and self._slowed_at is not None and ratio > self._slowed_at * _HELPED:
+                # Slowing the writer down did not make the steps faster: it is not the cause.
+                action = "release"
+                self._gave_up = True
+            elif ratio > self.limit:
+                action = "slower"
+                self._slowed = True
+                self._slowed_at = ratio
+            elif ratio < self.relax and self._slowed:
+                action = "faster"
+            elif self._slowed:
+                action = "hold"  # still training, rate about right: keeps the limit alive
+        if action is not None:
+            self.sent.append(action)
+            self._send(action)
+
+    def release(self) -> None:
+        """Lift the limit (the caller waits for the save: nobody trains meanwhile)."""
+        self.sent.append("release")
+        self._send("release")

@@ -1,0 +1,86 @@
+"""The adaptive I/O throttle end to end: real optimizer steps timed by the hook, a real writer
+process that slows down when told, and a checkpoint that is still whole and exact."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_same
+
+import ckptd
+from ckptd.errors import ConfigError
+from ckptd.options import CheckpointerOptions
+
+
+def _model_and_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the weights stay as saved
+    payload = {f"block{i}": torch.randn(4 * 1024 * 1024) for i in range(8)}  # 128 MiB to write
+    return model, optimizer, {"model": model, "payload": payload}
+
+
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pause: float) -> None:
+    loss = model(torch.ones(2, 8)).sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()  # timed by the throttle's optimizer pre-hook
+    time.sleep(pause)
+
+
+def test_slowed_training_throttles_the_writer_until_that_does_not_help(tmp_path: Any) -> None:
+    model, optimizer, state = _model_and_state()
+    with ckptd.Checkpointer(str(tmp_path), throttle=True, chunk_size="1MiB") as ckpt:
+        ckpt.prepare(state)
+        for _ in range(12):
+            _step(model, optimizer, 0.002)  # the baseline: no save
+        request = ckpt.async_save(1, state)
+        while not request.done():
+            # Training is slowed while the save is written (as interference would): 5x.
+            _step(model, optimizer, 0.010)
+        result = request.result()
+        # The steps stay slow whatever the writer does (the sleep is not its doing): one
+        # "slower", then, since it did not help, the limit is released for the rest of the save.
+        assert list(ckpt._steps.sent)[:2] == ["slower", "release"]
+        assert result.timings.get("throttled", 0.0) > 0.0
+        assert ckpt.health_check()["throttled_seconds"] > 0.0
+        assert_same(ckpt.load(1, into=None)["payload"], state["payload"])
+
+
+def test_wait_releases_the_limit_so_the_save_finishes_at_full_speed(tmp_path: Any) -> None:
+    model, optimizer, state = _model_and_state()
+    with ckptd.Checkpointer(str(tmp_path), throttle=True, chunk_size="1MiB") as ckpt:
+        ckpt.prepare(state)
+        for _ in range(12):
+            _step(model, optimizer, 0.004)
+        request = ckpt.async_save(1, state)
+        for _ in range(6):
+            _step(model, optimizer, 0.020)
+        ckpt.wait()  # sends "release": the rest of the save is not held back
+        assert ckpt._steps.sent[-1] == "release"
+        assert request.result().path.endswith("checkpoint-1")
+
+
+def test_without_throttle_nothing_is_timed_or_held_back(tmp_path: Any) -> None:
+    model, optimizer, state = _model_and_state()
+    with ckptd.Checkpointer(str(tmp_path), chunk_size="1MiB") as ckpt:
+        assert ckpt._steps is None
+        ckpt.mark_step()  # a no-op without throttle=True
+        request = ckpt.async_save(1, state)
+        while not request.done():
+            _step(model, optimizer, 0.020)
+        assert "throttled" not in request.result().timings
+        assert ckpt.health_check()["throttled_seconds"] == 0.0
+
+
+def test_throttle_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTD_THROTTLE", "1")
+    assert CheckpointerOptions.from_env().throttle is True
+    monkeypatch.setenv("CKPTD_THROTTLE", "off")
+    assert CheckpointerOptions.from_env().throttle is False
+    monkeypatch.setenv("CKPTD_THROTTLE", "sometimes")
+    with pytest.raises(ConfigError, match="CKPTD_THROTTLE"):
+        CheckpointerOptions.from_env()

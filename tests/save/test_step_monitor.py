@@ -1,0 +1,95 @@
+"""The trainer's side of the adaptive throttle: which notices step times produce (fake clock)."""
+
+from __future__ import annotations
+
+from ckptd.save.throttle import StepMonitor
+
+
+class Steps:
+    """Feeds a StepMonitor steps of given lengths on a fake clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sent: list[str] = []
+        self.monitor = StepMonitor(self.sent.append, clock=lambda: self.now)
+
+    def run(self, count: int, seconds: float) -> None:
+        for _ in range(count):
+            self.monitor.step()
+            self.now += seconds
+
+
+def test_slowed_steps_during_a_write_ask_for_a_slower_writer() -> None:
+    steps = Steps()
+    steps.run(10, 0.010)  # baseline: 10 ms steps, no save
+    steps.monitor.writing_started()
+    steps.run(5, 0.012)  # 1.2x: the first step spans the save call and is not counted
+    assert steps.sent == ["slower"]
+
+
+def test_steps_within_the_limit_send_nothing_while_unthrottled() -> None:
+    steps = Steps()
+    steps.run(10, 0.010)
+    steps.monitor.writing_started()
+    steps.run(20, 0.0105)  # 1.05x: under the 1.10x limit
+    assert steps.sent == []
+
+
+def test_slowing_down_goes_on_while_it_helps() -> None:
+    steps = Steps()
+    steps.run(10, 0.010)
+    steps.monitor.writing_started()
+    steps.run(5, 0.020)  # 2.0x
+    steps.run(4, 0.015)  # 1.5x: better, still over the limit
+    steps.run(4, 0.012)  # 1.2x: better again
+    assert steps.sent == ["slower", "slower", "slower"]
+
+
+def test_a_slowdown_the_writer_does_not_cause_is_left_alone() -> None:
+    steps = Steps()
+    steps.run(10, 0.010)
+    steps.monitor.writing_started()
+    steps.run(5, 0.020)  # 2.0x
+    steps.run(4, 0.020)  # no better after "slower": not the writer's doing
+    steps.run(12, 0.020)  # nothing more for this save
+    assert steps.sent == ["slower", "release"]
+    steps.monitor.writing_finished()
+    steps.monitor.writing_started()  # the next save is judged afresh
+    steps.run(5, 0.020)
+    assert steps.sent == ["slower", "release", "slower"]
+
+
+def test_after_slowing_down_hold_then_faster() -> None:
+    steps = Steps()
+    steps.run(10, 0.010)
+    steps.monitor.writing_started()
+    steps.run(5, 0.015)
+    steps.run(4, 0.0105)  # in the band: keep the limit alive
+    steps.run(4, 0.0100)  # back to the baseline: speed up
+    assert steps.sent == ["slower", "hold", "faster"]
+
+
+def test_steps_outside_writes_only_feed_the_baseline() -> None:
+    steps = Steps()
+    steps.run(10, 0.010)
+    steps.run(10, 0.050)  # slow, but no save is being written
+    assert steps.sent == []
+    steps.monitor.writing_started()
+    steps.monitor.writing_finished()
+    steps.run(10, 0.100)
+    assert steps.sent == []
+
+
+def test_no_decision_without_a_baseline() -> None:
+    steps = Steps()
+    steps.run(2, 0.010)  # too few steps to know the normal step time
+    steps.monitor.writing_started()
+    steps.run(10, 0.050)
+    assert steps.sent == []
+
+
+def test_release_is_sent_as_is() -> None:
+    steps = Steps()
+    steps.monitor.release()
+    assert steps.sent == ["release"]
+    assert list(steps.monitor.sent) == ["release"]

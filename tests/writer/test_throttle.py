@@ -1,0 +1,107 @@
+"""The writer's adaptive throttle (a token bucket), driven by a fake clock: no wall-clock
+assertions, every number below follows from the bucket's arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptd.writer.throttle import MIN_RATE, QUIET_SECONDS, WriteThrottle
+
+MIB = 1024**2
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def _measured(fake: FakeTime, rate: float = 400 * MIB) -> WriteThrottle:
+    """A throttle that has seen two chunks written unthrottled at ``rate``."""
+    throttle = WriteThrottle(fake.clock, fake.sleep)
+    throttle.consume(16 * MIB)
+    fake.now += 16 * MIB / rate
+    assert throttle.consume(16 * MIB) == 0.0
+    return throttle
+
+
+def test_unthrottled_writes_never_sleep_and_are_measured() -> None:
+    fake = FakeTime()
+    throttle = _measured(fake)
+    assert throttle.rate is None
+    assert throttle.unthrottled_rate == pytest.approx(400 * MIB)
+    assert fake.slept == []
+
+
+def test_slower_halves_the_measured_rate_and_the_bucket_holds_writes_back() -> None:
+    fake = FakeTime()
+    throttle = _measured(fake)
+    throttle.adjust("slower")
+    assert throttle.rate == pytest.approx(200 * MIB)
+    slept = throttle.consume(20 * MIB)  # 0.1 s worth at 200 MiB/s, on an empty bucket
+    assert slept == pytest.approx(0.1)
+    assert throttle.throttled_seconds == pytest.approx(0.1)
+    throttle.adjust("hold")  # a notice: keeps the limit alive
+    slept = throttle.consume(20 * MIB)
+    assert slept == pytest.approx(0.1)  # the rate holds: 20 MiB take 0.1 s again
+    throttle.adjust("slower")
+    assert throttle.rate == pytest.approx(100 * MIB)
+
+
+def test_faster_raises_the_rate_and_lifts_the_limit_past_twice_the_measured_rate() -> None:
+    fake = FakeTime()
+    throttle = _measured(fake)
+    throttle.adjust("slower")
+    throttle.adjust("faster")
+    assert throttle.rate == pytest.approx(300 * MIB)
+    throttle.adjust("faster")
+    assert throttle.rate == pytest.approx(450 * MIB)
+    throttle.adjust("faster")
+    throttle.adjust("faster")  # 1012 MiB/s > 2 x 400: unthrottled
+    assert throttle.rate is None
+    throttle.adjust("faster")  # nothing to raise
+    assert throttle.rate is None
+
+
+def test_the_rate_never_goes_below_the_minimum() -> None:
+    fake = FakeTime()
+    throttle = _measured(fake, rate=20 * MIB)
+    for _ in range(10):
+        throttle.adjust("slower")
+    assert throttle.rate == MIN_RATE
+
+
+def test_slower_before_anything_was_measured_is_ignored() -> None:
+    throttle = WriteThrottle(FakeTime().clock, FakeTime().sleep)
+    throttle.adjust("slower")
+    assert throttle.rate is None
+
+
+def test_release_reset_and_silence_lift_the_limit() -> None:
+    fake = FakeTime()
+    throttle = _measured(fake)
+    throttle.adjust("slower")
+    throttle.adjust("release")
+    assert throttle.rate is None
+    throttle.adjust("slower")
+    throttle.reset()  # a new write request starts at full speed
+    assert throttle.rate is None
+    throttle.adjust("slower")
+    fake.now += QUIET_SECONDS + 0.1  # no notice from the trainer: nobody trains
+    assert throttle.consume(64 * MIB) == 0.0
+    assert throttle.rate is None
+
+
+def test_a_stop_request_ends_the_wait_early() -> None:
+    fake = FakeTime()
+    throttle = _measured(fake)
+    throttle.adjust("slower")
+    slept = throttle.consume(2000 * MIB, should_stop=lambda: len(fake.slept) >= 3)
+    assert slept == pytest.approx(3 * 0.05)  # three slices, then the stop was seen
