@@ -122,6 +122,7 @@ class MatmulLoop:
         self.x = torch.randn(MATRIX, MATRIX, generator=gen)
         self.w = torch.randn(MATRIX, MATRIX, generator=gen) / MATRIX**0.5
         self.matmuls = 1
+        self.on_step: Callable[[], None] | None = None
         one = typical_step(self.step, warm_up=10, samples=10)
         self.matmuls = max(1, round(step_seconds / one))
         self.label = f"matmul step ~{step_seconds * 1e3:.0f} ms ({self.matmuls} matmul(s) here)"
@@ -138,6 +139,8 @@ class MatmulLoop:
 
     def step(self) -> float:
         """Run one step; returns its wall time in seconds."""
+        if self.on_step is not None:
+            self.on_step()  # no torch optimizer here: tell ckptd's adaptive throttle a step began
         started = time.perf_counter()
         x = self.x
         for _ in range(self.matmuls):
@@ -290,10 +293,12 @@ def bench_ckptd(
     """ckptd ``async_save`` (default blocking staging); ``options`` go to the Checkpointer."""
     import ckptd
 
-    root = os.path.join(bench_dir, label.replace("=", "").replace(" ", "-"))
+    root = os.path.join(bench_dir, label.replace("=", "").replace(" ", "-").replace(",", ""))
     with ckptd.Checkpointer(root, **options) as ckpt:
         warm_up = ckpt.save(0, state)  # first save: arena allocation, writer start
         shutil.rmtree(warm_up.path)
+        if isinstance(loop, MatmulLoop):
+            loop.on_step = ckpt.mark_step  # the transformer's AdamW steps are timed by ckptd's hook
 
         def start(i: int) -> Pending:
             return ckpt.async_save(i + 1, state)
@@ -301,7 +306,11 @@ def bench_ckptd(
         def finish(i: int, result: Any) -> None:
             shutil.rmtree(result.path)
 
-        measured = measure_interference(label, loop, start, finish, repeats, baseline_steps)
+        try:
+            measured = measure_interference(label, loop, start, finish, repeats, baseline_steps)
+        finally:
+            if isinstance(loop, MatmulLoop):
+                loop.on_step = None
     measured.note = f"Checkpointer({', '.join(f'{k}={v!r}' for k, v in options.items()) or 'defaults'})"
     return measured
 
@@ -389,6 +398,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--baseline-steps", type=int, default=30, help="steps with no save before each save (default 30)"
     )
     parser.add_argument("--dir", default="/work", help="parent of the fresh benchmark directory (default /work)")
+    parser.add_argument(
+        "--throttle",
+        action="store_true",
+        help="also measure ckptd with its adaptive I/O throttle (Checkpointer(throttle=True)), one row per shape",
+    )
     parser.add_argument("--skip-dcp", action="store_true", help="do not benchmark torch.distributed.checkpoint")
     parser.add_argument("--json", metavar="PATH", help="also write all samples as JSON")
     args = parser.parse_args(argv)
@@ -431,6 +445,13 @@ def main(argv: list[str] | None = None) -> int:
             results.append(
                 timed_phase(f"ckptd, defaults, {shape}", lambda c=common, s=shape: bench_ckptd(f"ckptd, {s}", *c))
             )
+            if args.throttle:
+                results.append(
+                    timed_phase(
+                        f"ckptd, throttle=True, {shape}",
+                        lambda c=common, s=shape: bench_ckptd(f"ckptd throttle=True, {s}", *c, throttle=True),
+                    )
+                )
             if not args.skip_dcp:
                 results.append(timed_phase(f"DCP async_save, process mode, {shape}", lambda c=common: bench_dcp(*c)))
                 results[-1].label += f", {shape}"

@@ -11,7 +11,8 @@ reported beside them and labelled so.
   staging); warm ``async_save`` -> committed vs the write floor; the first save (constructor and
   writer start included) vs the write floor + 0.3 s; DCP ``async_save`` (process mode);
 * I: ``bench_interference.py``: median training step while a save is written vs without one,
-  for each step shape (DCP process mode beside, as a reference);
+  for each step shape, with ckptd's defaults and with its adaptive throttle (DCP process mode
+  beside, as a reference);
 * M: ``bench_memory.py``: extra PSS per in-flight save; peak RSS and ``/dev/shm`` over the soak;
 * L: ``bench_load.py``: full loads into preallocated tensors vs the read floor, warm and cold;
   ``safe_open`` + ``copy_`` beside; bytes read by a ``keys=`` load of 10% of the tensors;
@@ -89,8 +90,8 @@ def script_argv(name: str, args: argparse.Namespace) -> list[str]:
     sized = ["--gib", str(args.gib), "--repeats", str(args.repeats), *common]
     if name == "memory":
         return [*sized, "--saves", str(args.soak_saves)]
-    if name == "interference" and args.quick:
-        return [*sized, "--skip-dcp"]
+    if name == "interference":
+        return [*sized, "--throttle", *(["--skip-dcp"] if args.quick else [])]
     return sized
 
 
