@@ -31,6 +31,14 @@ framework adds); the bytes each run left on disk are reported per save.  ckptd r
 ``torch.save`` do not fsync, so by default ckptd gives the stronger durability (fsynced files and
 an atomic commit).  Torch runs with ``--threads`` intra-op threads (default 1).
 
+``--design paired`` measures the same cost another way, to get below this VM's run-to-run noise
+(whole runs of the same arm differ by up to 30% here): one run per arm and repeat with a save
+every ``2 x --every`` steps, every step timed; each window of ``--every`` steps that starts at
+a save (the save call and its asynchronous write) is paired with the ``--every`` steps after it,
+before the next save, in the same run.  Their time ratio is the step time with a save every
+``--every`` steps over the step time without saves, so slow drifts of the machine cancel out;
+the table reports the median over every pair of every run.
+
 Example::
 
     python benchmarks/bench_integrations.py --quick --json integrations.json
@@ -108,6 +116,7 @@ class Run:
     bytes_per_save: float = 0.0
     writer_start_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    step_times: list[float] = field(default_factory=list)  # seconds of steps 2..N (the paired design)
 
 
 class Clock:
@@ -116,6 +125,11 @@ class Clock:
     def __init__(self) -> None:
         self.started: float | None = None
         self.stopped: float | None = None
+        self.ticks: list[float] = []  # the end of every training step, in order (step 1 first)
+
+    def tick(self) -> None:
+        """A training step ended (the paired design times each step)."""
+        self.ticks.append(time.perf_counter())
 
     def start(self) -> None:
         if self.started is None:
@@ -150,7 +164,7 @@ def run_plain(variant: str, root: str, args: argparse.Namespace, clock: Clock) -
     manager = None
     info: dict[str, Any] = {}
     if variant == "ckptd":
-        manager = CheckpointManager(root, CheckpointPolicy(every_steps=args.every), fsync=args.fsync == "on")
+        manager = CheckpointManager(root, CheckpointPolicy(every_steps=args.interval), fsync=args.fsync == "on")
         info["writer_start_s"] = _warm(manager.checkpointer)
     try:
         step = 0
@@ -160,10 +174,11 @@ def run_plain(variant: str, root: str, args: argparse.Namespace, clock: Clock) -
             loss.backward()
             optimizer.step()
             step += 1
-            if variant == "default" and step % args.every == 0:
+            if variant == "default" and step % args.interval == 0:
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f"{root}/step-{step}.pt")
             elif manager is not None:
                 manager.maybe_save(step, {"model": model, "optimizer": optimizer})
+            clock.tick()
             if step == 1:
                 clock.start()
         if manager is not None:
@@ -198,6 +213,7 @@ def run_lightning(variant: str, root: str, args: argparse.Namespace, clock: Cloc
 
     class Timer(Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *rest: Any) -> None:
+            clock.tick()  # before ModelCheckpoint's save (callbacks run in order): it lands in the next step
             if trainer.global_step == 1:
                 clock.start()
 
@@ -206,7 +222,7 @@ def run_lightning(variant: str, root: str, args: argparse.Namespace, clock: Cloc
     io = None
     info: dict[str, Any] = {}
     if variant != "none":
-        callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=args.every, save_top_k=-1))
+        callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=args.interval, save_top_k=-1))
     if variant == "ckptd":
         io = CkptdCheckpointIO(fsync=args.fsync == "on")
         plugins.append(io)
@@ -252,6 +268,7 @@ def run_transformers(variant: str, root: str, args: argparse.Namespace, clock: C
 
     class Timer(TrainerCallback):
         def on_step_end(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            clock.tick()  # before the Trainer saves: the save lands in the next step
             if state.global_step == 1:
                 clock.start()
 
@@ -265,7 +282,7 @@ def run_transformers(variant: str, root: str, args: argparse.Namespace, clock: C
         per_device_train_batch_size=8,
         learning_rate=1e-3,
         save_strategy="no" if variant == "none" else "steps",
-        save_steps=args.every,
+        save_steps=args.interval,
         logging_strategy="no",
         log_level="error",
         report_to=[],
@@ -315,8 +332,9 @@ def run_accelerate(variant: str, root: str, args: argparse.Namespace, clock: Clo
             optimizer.step()
             scheduler.step()
             step += 1
-            if variant != "none" and step % args.every == 0:
+            if variant != "none" and step % args.interval == 0:
                 accelerator.save_state(os.path.join(root, f"step_{step}"))
+            clock.tick()
             if step == 1:
                 clock.start()
         if hooks is not None:
@@ -370,7 +388,7 @@ def measure(framework: str, variant: str, repeat: int, args: argparse.Namespace,
     clock = Clock()
     try:
         info = FRAMEWORKS[framework](variant, root, args, clock)
-        saves = 0 if variant == "none" else args.steps // args.every
+        saves = 0 if variant == "none" else args.steps // args.interval
         size = tree_bytes(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -383,7 +401,84 @@ def measure(framework: str, variant: str, repeat: int, args: argparse.Namespace,
         saves=saves,
         bytes_per_save=size / saves if saves else 0.0,
         writer_start_s=info.get("writer_start_s"),
+        step_times=[b - a for a, b in zip(clock.ticks, clock.ticks[1:], strict=False)],
     )
+
+
+def paired_ratios(step_times: list[float], every: int) -> list[float]:
+    """The paired design's ratios for one run with a save every ``2 * every`` steps.
+
+    ``step_times[i]`` is step ``i + 2`` (the interval between the ends of steps ``i + 1`` and
+    ``i + 2``).  For each save at step ``s`` (``s`` = 2·every, 4·every, ...), the *save window*
+    is steps ``s .. s + every - 1`` (the save call is in step ``s`` or, when the framework saves
+    after the step's callbacks, in ``s + 1``; the async write runs in the steps after it) and the
+    *clean window* is the next ``every`` steps, before the next save.  Their time ratio is the
+    step time with a save every ``every`` steps over the step time without saves, measured
+    side by side in the same run, so slow drifts of the machine cancel out.
+    """
+    ratios = []
+    interval = 2 * every
+    for save in range(interval, len(step_times) + 2, interval):
+        first = save - 2  # index of step `save` in step_times
+        window = step_times[first : first + every]
+        clean = step_times[first + every : first + interval]
+        if len(window) == every and len(clean) == every:
+            ratios.append(sum(window) / sum(clean))
+    return ratios
+
+
+@dataclass(frozen=True)
+class PairedSummary:
+    """The paired design's verdict for one framework."""
+
+    framework: str
+    ckptd_overhead: float  # median ratio - 1 over every pair of every ckptd run
+    default_overhead: float
+    ckptd_ratios: list[float]
+    default_ratios: list[float]
+    step_ms: dict[str, float]  # median clean-window step per variant
+    mb_per_save: dict[str, float]
+    passed: bool
+
+
+def summarize_paired(framework: str, runs: list[Run], every: int) -> PairedSummary:
+    """Pool the pairs of every run of each variant; medians."""
+    ratios: dict[str, list[float]] = {"default": [], "ckptd": []}
+    clean_steps: dict[str, list[float]] = {"default": [], "ckptd": []}
+    sizes: dict[str, list[float]] = {"default": [], "ckptd": []}
+    for run in runs:
+        if run.framework != framework or run.variant not in ratios:
+            continue
+        ratios[run.variant] += paired_ratios(run.step_times, every)
+        clean_steps[run.variant].append(statistics.median(run.step_times))
+        sizes[run.variant].append(run.bytes_per_save)
+    overhead = {v: statistics.median(r) - 1.0 for v, r in ratios.items()}
+    return PairedSummary(
+        framework=framework,
+        ckptd_overhead=overhead["ckptd"],
+        default_overhead=overhead["default"],
+        ckptd_ratios=ratios["ckptd"],
+        default_ratios=ratios["default"],
+        step_ms={v: statistics.median(t) * 1e3 for v, t in clean_steps.items()},
+        mb_per_save={v: statistics.median(b) / 1e6 for v, b in sizes.items()},
+        passed=overhead["ckptd"] <= TARGET,
+    )
+
+
+def paired_table(summaries: list[PairedSummary]) -> str:
+    """The Markdown table of the paired design."""
+    lines = [
+        "| framework | median step ms default | median step ms ckptd | pairs | default overhead | ckptd overhead "
+        "| MB/save default | MB/save ckptd | ckptd overhead <= 5% |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for s in summaries:
+        lines.append(
+            f"| {s.framework} | {s.step_ms['default']:.2f} | {s.step_ms['ckptd']:.2f} | {len(s.ckptd_ratios)} "
+            f"| {s.default_overhead:+.1%} | {s.ckptd_overhead:+.1%} | {s.mb_per_save['default']:.1f} "
+            f"| {s.mb_per_save['ckptd']:.1f} | {'pass' if s.passed else 'FAIL'} |"
+        )
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -446,13 +541,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fsync", choices=("on", "off"), default="on", help="ckptd's fsync (default on)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--dir", default="/work", help="parent of the benchmark directory (default /work)")
+    parser.add_argument(
+        "--design",
+        choices=("runs", "paired"),
+        default="runs",
+        help="runs: whole runs with a save every --every steps against runs without (default); paired: "
+        "one run per arm with a save every 2 x --every steps, each save window paired with the clean "
+        "window after it in the same run",
+    )
     parser.add_argument("--quick", action="store_true", help="short run: 60 steps, 2 repeats")
     parser.add_argument("--json", help="write the runs and summaries to this file")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 60, 2
-    if args.steps < 2 * args.every:
-        parser.error("--steps must cover at least two saves (--steps >= 2 * --every)")
+    args.interval = args.every * (2 if args.design == "paired" else 1)  # steps between two saves
+    if args.steps < 2 * args.interval:
+        parser.error(f"--steps must cover at least two saves (--steps >= {2 * args.interval})")
     unknown = set(args.frameworks.split(",")) - set(FRAMEWORKS)
     if unknown:
         parser.error(f"unknown frameworks {sorted(unknown)}; choose from {list(FRAMEWORKS)}")
@@ -479,8 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         for framework in frameworks:
+            variants = VARIANTS if args.design == "runs" else ("default", "ckptd")
             for repeat in range(args.repeats):
-                for variant in rotated(VARIANTS, repeat):
+                for variant in rotated(variants, repeat):
                     settle()
                     run = measure(framework, variant, repeat, args, parent)
                     runs.append(run)
@@ -494,16 +599,28 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(parent, ignore_errors=True)
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[:3]
-    summaries = [summarize(framework, runs) for framework in frameworks]
+    summaries: list[Any]
     print()
-    print(
-        f"{args.steps} steps, a save every {args.every}, model {args.mb} MB fp32 + AdamW, {args.repeats} repeats, "
-        f"torch threads {args.threads}, ckptd fsync {args.fsync} (framework defaults do not fsync); "
-        "step time includes the final wait for pending saves (defaults are synchronous); "
-        f"load average {' '.join(load_before)} before, {' '.join(load_after)} after; "
-        f"{time.monotonic() - started:.0f} s"
-    )
-    print(table(summaries))
+    if args.design == "paired":
+        summaries = [summarize_paired(framework, runs, args.every) for framework in frameworks]
+        print(
+            f"paired design: {args.steps} steps per run, a save every {args.interval} steps; each window of "
+            f"{args.every} steps starting at a save against the {args.every} steps after it (same run); model "
+            f"{args.mb} MB fp32 + AdamW, {args.repeats} runs per arm, torch threads {args.threads}, ckptd fsync "
+            f"{args.fsync} (framework defaults do not fsync); load average {' '.join(load_before)} before, "
+            f"{' '.join(load_after)} after; {time.monotonic() - started:.0f} s"
+        )
+        print(paired_table(summaries))
+    else:
+        summaries = [summarize(framework, runs) for framework in frameworks]
+        print(
+            f"{args.steps} steps, a save every {args.every}, model {args.mb} MB fp32 + AdamW, {args.repeats} repeats, "
+            f"torch threads {args.threads}, ckptd fsync {args.fsync} (framework defaults do not fsync); "
+            "step time includes the final wait for pending saves (defaults are synchronous); "
+            f"load average {' '.join(load_before)} before, {' '.join(load_after)} after; "
+            f"{time.monotonic() - started:.0f} s"
+        )
+        print(table(summaries))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
