@@ -286,17 +286,17 @@ class WriterClient:
         while the reader thread is reaping it.  The send then fails and nothing reached the
         writer, so the writer is restarted (arenas attached again) and the request sent once more.
         """
-        for attempt in range(2):
-            try:
-                self.ensure_running()
-                with self._lock:
-                    request_id = self._next_id()
-                    return self._request(build(request_id)), request_id, self._channel
-            except _Unreachable:
-                if attempt:
-                    raise
-                logger.debug("ckptd writer %s: gone before a request reached it; restarting it", self.label)
-        raise AssertionError("unreachable")
+        try:
+            return self._send_to_running(build)
+        except _Unreachable:
+            logger.debug("ckptd writer %s: gone before a request reached it; restarting it", self.label)
+            return self._send_to_running(build)
+
+    def _send_to_running(self, build: Callable[[int], Message]) -> tuple[Future[Message], int, Channel | None]:
+        self.ensure_running()
+        with self._lock:
+            request_id = self._next_id()
+            return self._request(build(request_id)), request_id, self._channel
 
     def attach_arena(self, arena_id: int, segment: SharedSegment) -> None:
         """Register a staging arena; it is handed to the writer before the next write (and again
