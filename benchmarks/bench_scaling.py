@@ -331,8 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     print("command:", command)
     print("machine:", ", ".join(f"{k}={v}" for k, v in machine.items()))
     wall = time.perf_counter()
-    records = [run_child("size", float(g), 0, args) for g in args.sizes.split(",")]
-    records += [run_child("count", args.count_gib, int(c), args) for c in args.counts.split(",")]
+    # An empty list skips its scan (--sizes "" measures only the tensor counts).
+    records = [run_child("size", float(g), 0, args) for g in args.sizes.split(",") if g]
+    records += [run_child("count", args.count_gib, int(c), args) for c in args.counts.split(",") if c]
     rows = [summarise(r) for r in records]
     counts = [r for r in rows if r["kind"] == "count"]
     overhead = {attr: per_tensor(counts, attr) for attr in ("warm_blocking", "warm_total", "first_total")}

@@ -85,6 +85,29 @@ class LocalTensor:
     def is_whole(self) -> bool:
         return self.shape == self.global_shape
 
+    @classmethod
+    def whole(cls, component: str, key: str, dtype: str, shape: tuple[int, ...], frozen: bool) -> LocalTensor:
+        """``LocalTensor(component, key, dtype, shape, (0,) * len(shape), shape, frozen=frozen)``,
+        the description of an unsharded tensor.  There is one per tensor and save, so its fields
+        are filled in at once, not one ``object.__setattr__`` each as the frozen ``__init__``
+        does (2.7 against 0.9 µs here)."""
+        record = _new_record(cls)
+        vars(record).update(
+            component=component,
+            key=key,
+            dtype=dtype,
+            global_shape=shape,
+            offset=_ZEROS[len(shape)] if len(shape) < len(_ZEROS) else (0,) * len(shape),
+            shape=shape,
+            sharded=False,
+            main=True,
+            frozen=frozen,
+        )
+        return record
+
+
+_ZEROS = tuple((0,) * n for n in range(9))  # the offsets of whole tensors, by rank
+
 
 @dataclass(frozen=True)
 class PiecePart:

@@ -98,3 +98,13 @@ def test_encoding_snapshots_values():
     flat = flatten_component("c", {"list": inner})
     inner.append(3)
     assert restore_tree(flat.tree, flat.tensors) == {"list": [1, 2]}
+
+
+def test_tensors_are_detached_only_where_autograd_tracks_them():
+    weight = torch.nn.Parameter(torch.ones(3))
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    moment = torch.zeros(4)
+    flat = flatten_component("m", {"weight": weight, "frozen": frozen, "moment": moment})
+    assert not flat.tensors["weight"].requires_grad and flat.tensors["weight"].data_ptr() == weight.data_ptr()
+    assert flat.tensors["moment"] is moment and flat.tensors["frozen"] is frozen
+    assert flat.frozen == {"frozen"}

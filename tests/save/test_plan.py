@@ -203,3 +203,12 @@ def test_a_save_with_an_unchanged_layout_reuses_the_plan(tmp_path, monkeypatch, 
     assert len(calls) == 1, f"planned {len(calls)} times for three saves of one layout"
     w = loaded["model"]["w"]
     assert w.dtype == torch.float32 and w.shape == (6,) and torch.equal(w, torch.arange(6, dtype=torch.float32) + 3)
+
+
+@pytest.mark.parametrize("shape", [(), (3,), (2, 0, 5), tuple(range(1, 12))])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_whole_local_tensor_equals_the_one_its_constructor_builds(shape, frozen):
+    fast = LocalTensor.whole("model", "w", "BF16", shape, frozen)
+    built = LocalTensor("model", "w", "BF16", shape, (0,) * len(shape), shape, frozen=frozen)
+    assert fast == built and hash(fast) == hash(built) and repr(fast) == repr(built)
+    assert fast.offset == (0,) * len(shape) and fast.is_whole and fast.main and not fast.sharded
