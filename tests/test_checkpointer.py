@@ -311,3 +311,35 @@ def test_close_finishes_pending_saves(root):
     assert all(r.done() and r.exception() is None for r in requests)
     with ckptd.Checkpointer(root) as again:
         assert again.steps() == [0, 1, 2]
+
+
+def test_planning_pauses_the_garbage_collector_and_restores_it(tmp_path):
+    import gc
+
+    seen: list[bool] = []
+
+    class Probe:
+        def __init__(self, fail: bool = False) -> None:
+            self.fail = fail
+
+        def state_dict(self):
+            seen.append(gc.isenabled())
+            if self.fail:
+                raise RuntimeError("probe failed")
+            return {"x": torch.arange(4.0)}
+
+    assert gc.isenabled()
+    with ckptd.Checkpointer(str(tmp_path / "root")) as ckpt:
+        ckpt.async_save(1, {"probe": Probe()}).result()
+        assert seen == [False] and gc.isenabled()
+        with pytest.raises(Exception, match="probe failed"):
+            ckpt.async_save(2, {"probe": Probe(fail=True)})
+        assert seen == [False, False] and gc.isenabled()
+        gc.disable()  # the caller's choice is kept
+        try:
+            ckpt.async_save(3, {"probe": Probe()}).result()
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+        loaded = ckpt.load(1)
+    assert torch.equal(loaded["probe"]["x"], torch.arange(4.0))
