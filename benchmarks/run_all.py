@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_save import markdown_table  # the sibling script (its heavy imports are torch's only)
+from bench_save import ensure_bytecode, markdown_table  # the sibling script (its heavy imports are torch's only)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 1024**3
@@ -614,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = shlex.join([sys.executable, *sys.argv])
     print("command:", command, flush=True)
+    print(ensure_bytecode(), flush=True)
     wall = time.perf_counter()
     os.makedirs(args.dir, exist_ok=True)
     json_dir = tempfile.mkdtemp(prefix="ckptd-run-all-", dir=args.dir)

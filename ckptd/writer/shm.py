@@ -25,16 +25,13 @@ _MEMFD = hasattr(os, "memfd_create")
 class SharedSegment:
     """A mapped shared-memory segment of ``size`` bytes, owning its file descriptor."""
 
-    def __init__(self, fd: int, size: int, *, populate: bool = False) -> None:
+    def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
         self.size = size
-        flags = mmap.MAP_SHARED
-        if populate and hasattr(mmap, "MAP_POPULATE"):
-            flags |= mmap.MAP_POPULATE
-        self.mmap: mmap.mmap | None = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.mmap: mmap.mmap | None = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
     @classmethod
-    def create(cls, size: int, *, label: str = "ckptd-arena", populate: bool = False) -> SharedSegment:
+    def create(cls, size: int, *, label: str = "ckptd-arena") -> SharedSegment:
         """Create a new zero-filled segment of ``size`` bytes (at least one page)."""
         size = max(size, mmap.PAGESIZE)
         fd = _create_fd(label)
@@ -53,7 +50,7 @@ class SharedSegment:
                     f"{_file_size_limit()}; free memory or /dev/shm, raise the file-size limit (ulimit -f), "
                     "or lower max_in_flight",
                 ) from e
-            return cls(fd, size, populate=populate)
+            return cls(fd, size)
         except BaseException:
             os.close(fd)
             raise

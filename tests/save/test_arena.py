@@ -92,6 +92,30 @@ def test_prepare_allocates_the_arena_before_the_first_save(checkpointer):
     assert_same(state["model"], checkpointer.load(1)["model"])
 
 
+def _resident_shared_bytes() -> int:
+    """RssShmem of this process: shared-memory pages mapped and present."""
+    for line in open("/proc/self/status"):
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1]) * 1024
+    pytest.skip("no RssShmem in /proc/self/status")
+
+
+def test_prepare_faults_the_arena_in_and_a_save_created_arena_is_not(tmp_path):
+    state = {"model": {"w": torch.randn(4096, 4096)}}  # 64 MiB
+    with ckptd.Checkpointer(str(tmp_path / "prepared")) as ckpt:
+        before = _resident_shared_bytes()
+        size = ckpt.prepare(state)
+        assert _resident_shared_bytes() - before >= size * 0.95, "prepare() left pages to fault at the first copy"
+    from ckptd.save.arena import StagingArena
+
+    before = _resident_shared_bytes()
+    arena = StagingArena(1, 64 << 20, populate=False)
+    try:
+        assert _resident_shared_bytes() - before < (8 << 20), "a save's new arena should fault in at its copy"
+    finally:
+        arena.close()
+
+
 @pytest.mark.parametrize(
     "options",
     [{"direct_io": False}, {"direct_io": False, "drop_cache": False}, {"writer_ionice": None, "writer_nice": 0}],
