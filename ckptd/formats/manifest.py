@@ -51,6 +51,13 @@ MAX_DIMENSION = 2**62
 _MAX_RANK = 64
 _CHECKSUM_KEY = "checksum"
 _ZEROS = tuple((0,) * rank for rank in range(_MAX_RANK + 1))  # the offset of a whole tensor, by rank
+
+
+def zero_offset(rank: int) -> tuple[int, ...]:
+    """``(0,) * rank``, the offset of a whole tensor: one shared tuple per rank."""
+    return _ZEROS[rank] if rank <= _MAX_RANK else (0,) * rank
+
+
 _new_record = object.__new__
 _set = object.__setattr__  # how a frozen dataclass's __init__ sets its fields
 
@@ -121,12 +128,11 @@ class TensorRecord:
         Every save makes one per tensor (100,000 of them must plan in well under a second), so the
         two records are filled in as their frozen ``__init__`` would, without its per-field lookups.
         """
-        rank = len(shape)
         chunk = _new_record(ChunkRecord)
         _set(chunk, "file", file)
         _set(chunk, "start", start)
         _set(chunk, "end", end)
-        _set(chunk, "offset", _ZEROS[rank] if rank <= _MAX_RANK else (0,) * rank)
+        _set(chunk, "offset", zero_offset(len(shape)))
         _set(chunk, "shape", shape)
         record = _new_record(cls)
         _set(record, "dtype", dtype)

@@ -100,7 +100,7 @@ class Describer:
         trees: dict[str, Any] = {}
         tied: dict[str, list[list[str]]] = {}
         sharing: dict[str, str] = {}
-        described = {}
+        described: dict[str, list[LocalTensor]] = {}
         for flat in flats:
             descriptions = _describe(flat, self._described.get(flat.name))
             described[flat.name] = descriptions
@@ -150,7 +150,7 @@ def _unchanged(flat: FlatComponent, previous: list[LocalTensor]) -> bool:
     order, dtypes, shapes and frozen flags.  Comparing costs a fraction of building new
     descriptions, and the objects the reuse does not allocate spare the garbage collector (30,000
     new descriptions per save made it traverse the whole heap about once per save)."""
-    if not previous or flat.placements or len(previous) != len(flat.tensors) or previous[0].component != flat.name:
+    if not previous or flat.placements or len(previous) != len(flat.tensors):
         return False
     frozen = flat.frozen
     for old, (key, tensor) in zip(previous, flat.tensors.items(), strict=True):
