@@ -15,7 +15,7 @@ step) of about ``--gib`` GiB and measures, in one run:
   (constructor, writer start, arena allocation) separately from warm saves; then the same with
   ``ckpt.prepare(state)`` called after the constructor (``ckptd[prepare]``, its time counted in
   the first save) and with ``async_save(staging="background")`` (``ckptd[background]``), unless
-  ``--skip-variants``;
+  ``--skip-variants``; ``--order`` sets the order of these runs;
 * DCP ``async_save`` in process mode with a reused ``DefaultStager``, first and warm saves
   (a user-facing baseline), unless ``--skip-dcp``.
 
@@ -727,10 +727,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="only ckptd's default configuration (no ckptd[prepare] and ckptd[background] runs)",
     )
+    parser.add_argument(
+        "--order",
+        default="defaults,prepare,background",
+        help="the ckptd runs, in this order (default defaults,prepare,background): a slow stretch of the "
+        "disk lands on whichever run comes then, so a difference between runs is worth checking in "
+        "another order",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write all samples and the table as JSON")
     args = parser.parse_args(argv)
     if args.gib <= 0 or args.repeats < 1:
         parser.error("--gib must be > 0 and --repeats >= 1")
+    args.variants = [v for v in args.order.split(",") if v]
+    known = {"defaults", "prepare", "background"}
+    if sorted(args.variants) != sorted(set(args.variants)) or not set(args.variants) <= known or not args.variants:
+        parser.error(f"--order takes each of {sorted(known)} at most once, got {args.order!r}")
     return args
 
 
@@ -784,24 +795,24 @@ def main(argv: list[str] | None = None) -> int:
             lambda: bench_safetensors(state, bench_dir, args.repeats),
         )
         floors = timed_phase("floors: allocating and warming up", lambda: Floors(state, bench_dir))
-        runs: list[SaveRun] = [
-            timed_phase("ckptd async_save", lambda: bench_ckptd(state, bench_dir, args.repeats, floors=floors))
-        ]
-        if not args.skip_variants:
-            runs.append(
-                timed_phase(
-                    "ckptd async_save after ckpt.prepare(state)",
-                    lambda: bench_ckptd(state, bench_dir, args.repeats, "ckptd[prepare]", prepare=True, floors=floors),
-                )
-            )
-            runs.append(
-                timed_phase(
-                    'ckptd async_save(staging="background")',
-                    lambda: bench_ckptd(
-                        state, bench_dir, args.repeats, "ckptd[background]", staging="background", floors=floors
-                    ),
-                )
-            )
+        variants: dict[str, tuple[str, Callable[[], SaveRun]]] = {
+            "defaults": (
+                "ckptd async_save",
+                lambda: bench_ckptd(state, bench_dir, args.repeats, floors=floors),
+            ),
+            "prepare": (
+                "ckptd async_save after ckpt.prepare(state)",
+                lambda: bench_ckptd(state, bench_dir, args.repeats, "ckptd[prepare]", prepare=True, floors=floors),
+            ),
+            "background": (
+                'ckptd async_save(staging="background")',
+                lambda: bench_ckptd(
+                    state, bench_dir, args.repeats, "ckptd[background]", staging="background", floors=floors
+                ),
+            ),
+        }
+        order = ["defaults"] if args.skip_variants else args.variants
+        runs: list[SaveRun] = [timed_phase(*variants[name]) for name in order]
         floors.close()
         free_memory()
         if not args.skip_dcp:
