@@ -65,6 +65,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_save import markdown_table  # the sibling script (its heavy imports are torch's only)
+
 __all__ = ["FRAMEWORKS", "VARIANTS", "main"]
 
 VARIANTS = ("none", "default", "ckptd")
@@ -467,18 +470,25 @@ def summarize_paired(framework: str, runs: list[Run], every: int) -> PairedSumma
 
 def paired_table(summaries: list[PairedSummary]) -> str:
     """The Markdown table of the paired design."""
-    lines = [
-        "| framework | median step ms default | median step ms ckptd | pairs | default overhead | ckptd overhead "
-        "| MB/save default | MB/save ckptd | ckptd overhead <= 5% |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    header = [
+        "framework", "median step ms default", "median step ms ckptd", "pairs", "default overhead",
+        "ckptd overhead", "MB/save default", "MB/save ckptd", "ckptd overhead <= 5%",
+    ]  # fmt: skip
+    rows = [
+        [
+            s.framework,
+            f"{s.step_ms['default']:.2f}",
+            f"{s.step_ms['ckptd']:.2f}",
+            str(len(s.ckptd_ratios)),
+            f"{s.default_overhead:+.1%}",
+            f"{s.ckptd_overhead:+.1%}",
+            f"{s.mb_per_save['default']:.1f}",
+            f"{s.mb_per_save['ckptd']:.1f}",
+            "pass" if s.passed else "FAIL",
+        ]
+        for s in summaries
     ]
-    for s in summaries:
-        lines.append(
-            f"| {s.framework} | {s.step_ms['default']:.2f} | {s.step_ms['ckptd']:.2f} | {len(s.ckptd_ratios)} "
-            f"| {s.default_overhead:+.1%} | {s.ckptd_overhead:+.1%} | {s.mb_per_save['default']:.1f} "
-            f"| {s.mb_per_save['ckptd']:.1f} | {'pass' if s.passed else 'FAIL'} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(header, rows, left_aligned={0, 8})
 
 
 @dataclass(frozen=True)
@@ -516,18 +526,25 @@ def summarize(framework: str, runs: list[Run]) -> Summary:
 
 def table(summaries: list[Summary]) -> str:
     """The Markdown table printed at the end."""
-    lines = [
-        "| framework | none ms/step | default ms/step | ckptd ms/step | default / none | ckptd / none "
-        "| MB/save default | MB/save ckptd | ckptd overhead <= 5% |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    header = [
+        "framework", "none ms/step", "default ms/step", "ckptd ms/step", "default / none", "ckptd / none",
+        "MB/save default", "MB/save ckptd", "ckptd overhead <= 5%",
+    ]  # fmt: skip
+    rows = [
+        [
+            s.framework,
+            f"{s.step_ms['none']:.2f}",
+            f"{s.step_ms['default']:.2f}",
+            f"{s.step_ms['ckptd']:.2f}",
+            f"{s.default_ratio:.3f}",
+            f"{s.ckptd_ratio:.3f}",
+            f"{s.mb_per_save['default']:.1f}",
+            f"{s.mb_per_save['ckptd']:.1f}",
+            "pass" if s.passed else "FAIL",
+        ]
+        for s in summaries
     ]
-    for s in summaries:
-        lines.append(
-            f"| {s.framework} | {s.step_ms['none']:.2f} | {s.step_ms['default']:.2f} | {s.step_ms['ckptd']:.2f} "
-            f"| {s.default_ratio:.3f} | {s.ckptd_ratio:.3f} | {s.mb_per_save['default']:.1f} "
-            f"| {s.mb_per_save['ckptd']:.1f} | {'pass' if s.passed else 'FAIL'} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(header, rows, left_aligned={0, 8})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
