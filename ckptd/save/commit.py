@@ -40,10 +40,12 @@ if TYPE_CHECKING:
 __all__ = [
     "CLAIM_NAME",
     "ComponentInfo",
+    "Descriptions",
     "claim_step",
     "combine_pieces",
     "finalize_checkpoint",
     "publish",
+    "write_descriptions",
     "write_small_file",
 ]
 
@@ -93,6 +95,53 @@ def write_small_file(
     files[name] = FileRecord(len(data), format_crc(crc32c(data)))
 
 
+@dataclass(frozen=True)
+class Descriptions:
+    """The files of a checkpoint that describe its shards (the HF indexes and the state file),
+    as written into the staging directory: they depend on the plan only, not on the shard bytes."""
+
+    files: dict[str, FileRecord]
+    components: dict[str, ComponentRecord]
+    state_file: str | None
+    seconds: float
+
+
+def write_descriptions(
+    storage: Storage,
+    staging_dir: str,
+    *,
+    tensors: Mapping[str, Mapping[str, TensorRecord]],
+    components: Sequence[ComponentInfo],
+    trees: Mapping[str, Any] | None,
+    fsync: bool = True,
+) -> Descriptions:
+    """Write each component's HF index and the state file into ``staging_dir``.
+
+    A save runs this while its shards are still being written, so that the fsyncs of these
+    small files (each waits for the journal and the device cache) are not on the way to the
+    commit; the manifest, written by :func:`finalize_checkpoint` once the shards are durable,
+    stays the commit point."""
+    started = time.perf_counter()
+    files: dict[str, FileRecord] = {}
+    records: dict[str, ComponentRecord] = {}
+    for info in components:
+        component_tensors = dict(tensors.get(info.name, {}))
+        index_name = None
+        if component_tensors:
+            index_name = hf_index_name(info.name, info.kind)
+            weight_map = {key: t.file for key, t in component_tensors.items() if t.is_whole}
+            total = sum(t.nbytes for t in component_tensors.values())
+            extra = dict(info.index_metadata or {})
+            write_small_file(storage, staging_dir, index_name, hf_index(weight_map, total, extra), files, fsync)
+        kind = info.kind if component_tensors else "state"
+        records[info.name] = ComponentRecord(kind, component_tensors, index_name, info.tied, info.sharing)
+    state_file = None
+    if trees is not None:
+        state_file = STATE_NAME
+        write_small_file(storage, staging_dir, STATE_NAME, state_file_bytes(trees), files, fsync)
+    return Descriptions(files, records, state_file, time.perf_counter() - started)
+
+
 def finalize_checkpoint(
     storage: Storage,
     staging_dir: str,
@@ -110,41 +159,35 @@ def finalize_checkpoint(
     world_size: int = 1,
     overwrite: bool = False,
     fsync: bool = True,
+    described: Descriptions | None = None,
 ) -> Manifest:
-    """Write indexes, state and manifest into ``staging_dir``, then publish it as ``final_dir``."""
+    """Write indexes, state and manifest into ``staging_dir``, then publish it as ``final_dir``.
+
+    ``described``: the indexes and state file were written already (:func:`write_descriptions`,
+    from the same ``tensors``, ``components`` and ``trees``); only the manifest is left."""
     started = time.perf_counter()
     for name, size in expected_sizes.items():
         record = written.get(name)
         if record is None or record.size != size:
             got = "nothing" if record is None else f"{record.size} bytes"
             raise WriterError(f"the writer reported {got} for {name}, expected {size} bytes")
-    files: dict[str, FileRecord] = dict(written)
-    records: dict[str, ComponentRecord] = {}
-    for info in components:
-        component_tensors = dict(tensors.get(info.name, {}))
-        index_name = None
-        if component_tensors:
-            index_name = hf_index_name(info.name, info.kind)
-            weight_map = {key: t.file for key, t in component_tensors.items() if t.is_whole}
-            total = sum(t.nbytes for t in component_tensors.values())
-            extra = dict(info.index_metadata or {})
-            write_small_file(storage, staging_dir, index_name, hf_index(weight_map, total, extra), files, fsync)
-        kind = info.kind if component_tensors else "state"
-        records[info.name] = ComponentRecord(kind, component_tensors, index_name, info.tied, info.sharing)
-    state_file = None
-    if trees is not None:
-        state_file = STATE_NAME
-        write_small_file(storage, staging_dir, STATE_NAME, state_file_bytes(trees), files, fsync)
     all_timings = dict(timings or {})
+    if described is None:
+        described = write_descriptions(
+            storage, staging_dir, tensors=tensors, components=components, trees=trees, fsync=fsync
+        )
+    else:
+        all_timings["describe"] = described.seconds  # while the shards were written
+    files: dict[str, FileRecord] = {**written, **described.files}
     all_timings["commit"] = time.perf_counter() - started
     manifest = Manifest(
         step=step,
         created_utc=utc_now(),
         world_size=world_size,
         library_version=__version__,
-        components=records,
+        components=described.components,
         files=files,
-        state_file=state_file,
+        state_file=described.state_file,
         timings=all_timings,
         metadata=dict(metadata or {}),
         metrics=dict(metrics or {}),

@@ -7,8 +7,9 @@ rank's pieces into its arena.  Completion thread
 (:meth:`Saver.complete`), in the order of the :class:`~ckptd.save.coordinate.Coordinator`
 protocol: the coordinator prepares the destination (staging directory, or the object-store
 claim), every rank writes its pieces through its writer process and reports, the coordinator
-checks every report, combines the per-piece checksums, writes the indexes, the state file and the
-manifest last, and posts the outcome, which the other ranks wait for; then retention runs.
+checks every report, combines the per-piece checksums, writes the manifest last (the indexes and
+the state file were written while the shards were), and posts the outcome, which the other ranks
+wait for; then retention runs.
 
 The module is longer than the usual ~450 lines: the two halves of a save (caller's thread and
 completion thread) share the :class:`SaveJob` and the pipelining handshake with the writer, and
@@ -23,7 +24,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -41,13 +42,14 @@ from ..storage.retry import retries_of
 from ..writer.client import InProcessWriter, WriterClient
 from ..writer.protocol import FileResult, FileSpec, FilesWritten
 from .arena import StageHandle, StagingArena, StagingPool, StepGuard
-from .commit import ComponentInfo, claim_step, combine_pieces, finalize_checkpoint
+from .commit import ComponentInfo, Descriptions, claim_step, combine_pieces, finalize_checkpoint, write_descriptions
 from .coordinate import Coordinator, Outcome, Report, Round, SoloCoordinator, StoreCoordinator
 from .describe import Describer, Payload
 from .exchange import Exchange, PlanBook, Planned, planned_alone
 from .flatten import FlatComponent
 from .incremental import IncrementalPolicy, Reuse
 from .plan import RankPlan, SavePlan, plan_save
+from .side_thread import SideThread
 from .throttle import StepMonitor
 
 __all__ = ["SaveJob", "Saver"]
@@ -63,6 +65,7 @@ class _Progress:
     released: bool = False  # the arena went back to the pool (exactly once)
     retries: int = 0  # object-store requests retried (the writer's and this process's)
     staged_at: float = 0.0  # when the copy into the arena started
+    described: Future[Descriptions] | None = None  # the coordinator's indexes and state file, being written
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -153,6 +156,8 @@ class Saver:
             )
             self.exchange = Exchange(dist, root, book)
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-stage")
+        # The coordinator writes the indexes and state file here while the shards are written.
+        self._describing = SideThread("ckptd-describe")
         self.guard = StepGuard()
         self.stats = new_recorder(root, self.rank)  # every finished save (read by Checkpointer.stats)
         self._tuning = dataclasses.asdict(options.tuning)  # sent with every write request
@@ -161,6 +166,7 @@ class Saver:
     def close(self) -> None:
         """Stop the staging thread (after the copies in flight) and remove the step guard."""
         self._stager.shutdown(wait=True)
+        self._describing.close()
         self.guard.close()
 
     # ---- caller's thread --------------------------------------------------------------------
@@ -355,6 +361,7 @@ class Saver:
         try:
             try:
                 coordinator.prepare(round_, lambda: self._prepare(job))
+                self._describe_early(job)
                 report = Report(tuple(self._write(job, timings)))
             except BaseException as e:  # noqa: BLE001 - reported, then raised by outcome()
                 report = Report(error=e)
@@ -371,6 +378,7 @@ class Saver:
             return self._finish(job, outcome)
         finally:
             count_retries()
+            self._settle_descriptions(job)
             self.incremental.release(job.reuse)
 
     def _prepare(self, job: SaveJob) -> None:
@@ -383,9 +391,38 @@ class Saver:
         for subdirectory in sorted({f.file_name.rpartition("/")[0] for f in job.plan.files} - {""}):
             self.storage.makedirs(self.storage.join(job.staging, subdirectory))  # key_layout="spread"
 
+    def _components(self, job: SaveJob) -> list[ComponentInfo]:
+        planned = job.planned
+        return [
+            ComponentInfo(name, "safetensors", planned.tied[name], sharing=planned.sharing[name])
+            for name in planned.trees
+        ]
+
+    def _describe_early(self, job: SaveJob) -> None:
+        """The coordinator: start writing the indexes and state file into the staging
+        directory, on their own thread, while the shards are written (they need the plan only)."""
+        if job.plan is None:
+            return
+        job.progress.described = self._describing.submit(
+            write_descriptions,
+            self.storage,
+            job.staging,
+            tensors=job.plan.tensors,
+            components=self._components(job),
+            trees=job.planned.trees,
+            fsync=self.options.fsync,
+        )
+
+    def _settle_descriptions(self, job: SaveJob) -> None:
+        """Wait until the early description writes are over (before a clean-up removes their
+        directory, and before the save returns); their error, if any, was the commit's to raise."""
+        if job.progress.described is not None:
+            wait([job.progress.described])
+
     def _discard(self, job: SaveJob) -> None:
         """Remove what a failed save wrote, but only if the destination is ours: a save that lost
         the object-store claim (or never made it) must not delete another save's checkpoint."""
+        self._settle_descriptions(job)
         if job.progress.owns_destination:
             self.cleanup.discard(job.staging)
 
@@ -461,7 +498,7 @@ class Saver:
         plan = job.plan
         if plan is None:
             raise RuntimeError("only the coordinator commits")
-        trees, tied, sharing = job.planned.trees, job.planned.tied, job.planned.sharing
+        described = job.progress.described.result() if job.progress.described is not None else None
         return finalize_checkpoint(
             self.storage,
             job.staging,
@@ -470,14 +507,15 @@ class Saver:
             written=combine_pieces(plan, results, job.reuse.reused, job.reuse.hashed),
             expected_sizes={f.file_name: f.size for f in plan.files},
             tensors=plan.tensors,
-            components=[ComponentInfo(name, "safetensors", tied[name], sharing=sharing[name]) for name in trees],
-            trees=trees,
+            components=self._components(job),
+            trees=job.planned.trees,
             metadata=job.metadata,
             metrics=job.metrics,
             timings=timings,
             overwrite=job.overwrite,
             fsync=self.options.fsync,
             world_size=plan.world_size,
+            described=described,
         )
 
     def _finish(self, job: SaveJob, outcome: Outcome) -> SaveResult:

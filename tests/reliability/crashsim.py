@@ -26,9 +26,11 @@ _REPO = os.path.dirname(os.path.dirname(HERE))
 
 @dataclass(frozen=True)
 class Call:
-    """One recorded OS call: process, operation (rename/unlink/rmdir/mkdir/fsync/write), paths."""
+    """One recorded OS call: process, thread name, operation (rename/unlink/rmdir/mkdir/fsync/write),
+    paths."""
 
     pid: int
+    thread: str
     op: str
     paths: tuple[str, ...]
 
@@ -119,8 +121,8 @@ def read_calls(log: str) -> list[Call]:
     calls = []
     with open(log) as f:
         for line in f:
-            pid, op, *paths = line.split()
-            calls.append(Call(int(pid), op, tuple(paths)))
+            pid, thread, op, *paths = line.split()
+            calls.append(Call(int(pid), thread, op, tuple(paths)))
     return calls
 
 

@@ -68,6 +68,29 @@ def test_save_fsyncs_every_file_the_staging_directory_and_the_parent(tmp_path: A
         _first(calls, "fsync", os.path.dirname(created), after=made)  # a new directory's entry
 
 
+def test_shard_fsyncs_run_behind_the_writing_and_descriptions_beside_it(tmp_path: Any) -> None:
+    """With several shards, each one's fsync runs on the writer's fsync thread while the next
+    shard is written; the indexes and the state file are written and fsynced by the trainer's
+    describe thread, which starts before the shards are written; the manifest after both."""
+    root = str(tmp_path / "ckpts")
+    calls = _recorded(tmp_path, "save", {"root": root, "steps": [1]})
+    renamed, staging = _rename(calls, os.path.join(root, "checkpoint-1"))
+    files = sorted(os.listdir(os.path.join(root, "checkpoint-1")))
+    shards = [name for name in files if name.endswith(".safetensors")]
+    assert len(shards) >= 2, f"the scenario must write several shards, got {shards}"
+    for name in shards:
+        synced = calls[_first(calls, "fsync", os.path.join(staging, name))]
+        assert synced.thread.startswith("ckptd-fsync"), f"{name} was fsynced by thread {synced.thread}"
+    described = [name for name in files if name.endswith(".index.json") or name == "state.json"]
+    assert len(described) == 2, files
+    for name in described:
+        synced = calls[_first(calls, "fsync", os.path.join(staging, name))]
+        assert synced.thread == "ckptd-describe", f"{name} was fsynced by thread {synced.thread}"
+    manifest = _first(calls, "fsync", os.path.join(staging, "checkpoint_manifest.json"))
+    last_shard = max(_first(calls, "fsync", os.path.join(staging, name)) for name in shards)
+    assert last_shard < manifest < renamed
+
+
 def test_write_stream_fsyncs_the_file_and_then_its_directory(tmp_path: Any) -> None:
     root = str(tmp_path / "ckpts")
     with ckptd.Checkpointer(root) as ckpt:

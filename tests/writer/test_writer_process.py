@@ -29,6 +29,8 @@ def partial_file_written(root: str) -> bool:
     for name in staging_dirs(root):
         directory = os.path.join(root, name)
         for file_name in os.listdir(directory):
+            if not file_name.endswith(".safetensors"):
+                continue  # the trainer writes the indexes and state file while the shards are written
             if os.path.getsize(os.path.join(directory, file_name)) > 0:
                 return True
     return False

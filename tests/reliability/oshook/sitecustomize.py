@@ -3,7 +3,7 @@
 It wraps the OS calls a save makes (rename, unlink, rmdir, mkdir, fsync, write) and, driven by
 two environment variables that only the tests set, either
 
-* ``CKPTD_TEST_RECORD=<file>``: appends ``<pid> <op> <path> [<path2>]`` for every call (fd
+* ``CKPTD_TEST_RECORD=<file>``: appends ``<pid> <thread> <op> <path> [<path2>]`` for every call (fd
   calls are named by the file the fd refers to), or
 * ``CKPTD_TEST_KILL=<op>|<regex>|<n>|<before|after>``: SIGKILLs the whole process group (the
   trainer and its writer process) at the ``n``-th call of ``op`` on a path matching ``regex``,
@@ -21,6 +21,7 @@ import os
 import re
 import signal
 import socket
+import threading
 
 _original = {
     name: getattr(os, name)
@@ -80,7 +81,8 @@ def _decide(op: str, paths: list[str]) -> bool:
     """Log the call; True when it is the one to die at."""
     log = _state["log"]
     if log >= 0 and not paths[0].startswith(("pipe:", "socket:", "/dev/")):
-        line = f"{os.getpid()} {op} {' '.join(paths)}\n".encode()
+        thread = threading.current_thread().name.replace(" ", "_")
+        line = f"{os.getpid()} {thread} {op} {' '.join(paths)}\n".encode()
         _original["write"](log, line)
     hit = op == _state["op"] and _state["left"] > 0 and any(_state["regex"].search(p) for p in paths)
     if hit:
