@@ -26,8 +26,8 @@ _REPO = os.path.dirname(os.path.dirname(HERE))
 
 @dataclass(frozen=True)
 class Call:
-    """One recorded OS call: process, thread name, operation (rename/unlink/rmdir/mkdir/fsync/write),
-    paths."""
+    """One recorded OS call: process, thread name, operation (rename/unlink/rmdir/mkdir/fsync/write,
+    create: ``os.open`` with ``O_CREAT``), paths."""
 
     pid: int
     thread: str

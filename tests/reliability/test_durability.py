@@ -62,6 +62,9 @@ def test_save_fsyncs_every_file_the_staging_directory_and_the_parent(tmp_path: A
         last_file_sync = max(last_file_sync, synced)
     staging_synced = _first(calls, "fsync", staging, after=last_file_sync)
     assert staging_synced < renamed, "the staging directory was not fsynced before the rename"
+    for name in files:  # every entry existed when the directory was fsynced
+        created = _first(calls, "create", os.path.join(staging, name))
+        assert created < staging_synced, f"{name} was created after the staging directory's fsync"
     _first(calls, "fsync", root, after=renamed)  # the rename itself made durable
     for created in (str(tmp_path / "new"), str(tmp_path / "new" / "deeper"), root):
         made = _first(calls, "mkdir", created)

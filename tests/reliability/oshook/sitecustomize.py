@@ -1,6 +1,7 @@
 """Loaded by every Python process of a reliability test (this folder is put first on PYTHONPATH).
 
-It wraps the OS calls a save makes (rename, unlink, rmdir, mkdir, fsync, write) and, driven by
+It wraps the OS calls a save makes (rename, unlink, rmdir, mkdir, fsync, write, and ``os.open``
+with ``O_CREAT``, logged as ``create``) and, driven by
 two environment variables that only the tests set, either
 
 * ``CKPTD_TEST_RECORD=<file>``: appends ``<pid> <thread> <op> <path> [<path2>]`` for every call (fd
@@ -39,6 +40,7 @@ _OP_OF = {
     "pwrite": "write",
 }
 _FD_CALLS = {"fsync", "fdatasync", "write", "pwrite"}
+_original_open = os.open
 
 
 def _fd_path(fd: int) -> str:
@@ -71,6 +73,7 @@ def configure() -> None:
     if kill or record:
         for name in _original:
             setattr(os, name, _wrap(name))
+        os.open = _wrap_open(_original_open)
         _wrap_sockets()
 
 
@@ -131,6 +134,25 @@ def _wrap(name: str):  # type: ignore[no-untyped-def]
         if hit and _state["when"] == "before":
             _die()
         result = real(*args, **kwargs)
+        if hit:
+            _die()
+        return result
+
+    wrapper.__name__ = real.__name__
+    wrapper.__doc__ = real.__doc__
+    return wrapper
+
+
+def _wrap_open(real):  # type: ignore[no-untyped-def]
+    """``os.open``: calls with ``O_CREAT`` are the ``create`` operation (of a new or existing file)."""
+
+    def wrapper(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not flags & os.O_CREAT:
+            return real(path, flags, *args, **kwargs)
+        hit = _decide("create", [_arg_path(path, kwargs.get("dir_fd"))])
+        if hit and _state["when"] == "before":
+            _die()
+        result = real(path, flags, *args, **kwargs)
         if hit:
             _die()
         return result
