@@ -98,6 +98,16 @@ def _die() -> None:
     os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
+def _run_at(hit: bool, call):  # type: ignore[no-untyped-def]
+    """Make ``call()``, dying before or after it when ``hit`` (the kill point) says so."""
+    if hit and _state["when"] == "before":
+        _die()
+    result = call()
+    if hit:
+        _die()
+    return result
+
+
 def _wrap_sockets() -> None:
     for name in ("send", "sendall"):
         real = getattr(socket.socket, name)
@@ -106,12 +116,7 @@ def _wrap_sockets() -> None:
             head = bytes(memoryview(data)[:300])
             match = _HTTP.match(head)
             hit = bool(match) and _decide("http", [head.split(b"\r\n", 1)[0].decode("latin-1")])
-            if hit and _state["when"] == "before":
-                _die()
-            result = _real(self, data, *args)
-            if hit:
-                _die()
-            return result
+            return _run_at(hit, lambda: _real(self, data, *args))
 
         setattr(socket.socket, name, wrapper)
 
@@ -130,13 +135,7 @@ def _wrap(name: str):  # type: ignore[no-untyped-def]
             ]
         else:
             paths = [_arg_path(args[0], kwargs.get("dir_fd"))]
-        hit = _decide(op, paths)
-        if hit and _state["when"] == "before":
-            _die()
-        result = real(*args, **kwargs)
-        if hit:
-            _die()
-        return result
+        return _run_at(_decide(op, paths), lambda: real(*args, **kwargs))
 
     wrapper.__name__ = real.__name__
     wrapper.__doc__ = real.__doc__
@@ -150,12 +149,7 @@ def _wrap_open(real):  # type: ignore[no-untyped-def]
         if not flags & os.O_CREAT:
             return real(path, flags, *args, **kwargs)
         hit = _decide("create", [_arg_path(path, kwargs.get("dir_fd"))])
-        if hit and _state["when"] == "before":
-            _die()
-        result = real(path, flags, *args, **kwargs)
-        if hit:
-            _die()
-        return result
+        return _run_at(hit, lambda: real(path, flags, *args, **kwargs))
 
     wrapper.__name__ = real.__name__
     wrapper.__doc__ = real.__doc__
