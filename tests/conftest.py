@@ -102,6 +102,41 @@ def paused(pid: int) -> Iterator[None]:
             os.kill(pid, signal.SIGCONT)
 
 
+OSHOOK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reliability", "oshook")
+
+
+@contextlib.contextmanager
+def writers_strike(op: str, pattern: str, whom: str = "self", when: str = "after") -> Iterator[None]:
+    """Arm the writer processes started inside the block: at their first ``op`` call (``write``,
+    ``create``, ``fsync``, ...) on a path matching ``pattern``, each SIGKILLs (``whom="self"``)
+    or SIGSTOPs (``whom="stop"``) itself, ``before`` or ``after`` the call.
+
+    This is the OS-call hook of ``tests/reliability/oshook``, put on the ``PYTHONPATH`` the
+    writer inherits: the writer is struck at an exact point of its work, which stepping a stopped
+    writer in time slices cannot promise on a busy machine (one slice may finish the save).
+    """
+    saved = {name: os.environ.get(name) for name in ("CKPTD_TEST_KILL", "PYTHONPATH")}
+    os.environ["CKPTD_TEST_KILL"] = f"{op}|{pattern}|1|{when}|{whom}"
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (OSHOOK, saved["PYTHONPATH"]) if p)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def process_stopped(pid: int) -> bool:
+    """True while ``pid`` is stopped by a signal (state ``T`` in ``/proc/<pid>/stat``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except FileNotFoundError:
+        return False
+
+
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0, interval: float = 0.01) -> None:
     """Poll until ``condition()`` is true; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

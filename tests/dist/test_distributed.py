@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,7 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_same
+from conftest import assert_same, writers_strike
 from distributed import run_ranks
 
 import ckptd
@@ -242,48 +243,28 @@ def test_fsdp_save_is_read_by_from_pretrained_and_optimizer_reshards(tmp_path):
 # ---- failures --------------------------------------------------------------------------------
 
 
-def partial_file(root: str, prefix: str) -> bool:
-    """True once a file starting with ``prefix`` in a staging directory has some bytes."""
-    for name in os.listdir(root):
-        if name.startswith(".checkpoint-"):
-            directory = os.path.join(root, name)
-            for file_name in os.listdir(directory):
-                if file_name.startswith(prefix) and os.path.getsize(os.path.join(directory, file_name)) > 0:
-                    return True
-    return False
-
-
-def step_until(pid: int, condition, timeout: float = 60.0) -> None:
-    """Let a SIGSTOPped process run in 2 ms slices until ``condition()`` holds (left stopped)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "the writer made no progress"
-        os.kill(pid, signal.SIGCONT)
-        time.sleep(0.002)
-        os.kill(pid, signal.SIGSTOP)
-        time.sleep(0.005)
-
-
 def fail_writer_on_rank_one(rank: int, world: int, root: str) -> dict[str, object]:
     weights = full_weights()
-    with ckptd.Checkpointer(root, dist_timeout=30, chunk_size="256KiB") as ckpt:
-        ckpt.save(1, {"model": sharded_state(rank, world, weights)})
+    # Rank 1's writer SIGKILLs itself once it has written bytes of its per-rank file of step 2.
+    arming = writers_strike("write", r"big@rank1") if rank == 1 else contextlib.nullcontext()
+    with arming:
+        ckpt = ckptd.Checkpointer(root, dist_timeout=30, chunk_size="256KiB")
         ckpt.health_check()
-        if rank == 1:
-            os.kill(ckpt.writer_pid, signal.SIGSTOP)
+    with ckpt:
+        ckpt.save(1, {"model": sharded_state(rank, world, weights)})
+        writer_pid = ckpt.writer_pid
         state = {
             "model": sharded_state(rank, world, {k: v + 1 for k, v in weights.items()}),
             "big": {"w": torch.randn(8 * 1024 * 1024)},
         }
         request = ckpt.async_save(2, state, sharing={"big": "per_rank"})
-        if rank == 1:
-            step_until(ckpt.writer_pid, lambda: partial_file(root, "big@rank1"))
-            os.kill(ckpt.writer_pid, signal.SIGKILL)
         started = time.monotonic()
         with pytest.raises(DistributedSaveError) as info:
             request.wait(60)
         elapsed = time.monotonic() - started
         assert ckpt.steps() == [1]
+        if rank == 1:  # the writer died at the armed point, and not earlier
+            assert ckpt.health_check()["writer_pid"] != writer_pid
         targets = sharded_state(rank, world, {k: torch.zeros_like(v) for k, v in weights.items()})
         ckpt.load("latest", into={"model": targets})
         assert_same(sharded_state(rank, world, weights)["rows"].data, targets["rows"].data)

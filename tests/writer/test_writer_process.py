@@ -8,11 +8,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
-from conftest import assert_same, pid_alive, wait_for
+from conftest import assert_same, pid_alive, process_stopped, wait_for, writers_strike
 
 import ckptd
 from ckptd.errors import StorageError, WriterError
@@ -24,28 +23,20 @@ def staging_dirs(root: str) -> list[str]:
     return [n for n in os.listdir(root) if n.startswith(".checkpoint-")]
 
 
-def partial_file_written(root: str) -> bool:
-    """True once some shard in a staging directory has a byte but not all of them."""
-    for name in staging_dirs(root):
-        directory = os.path.join(root, name)
-        for file_name in os.listdir(directory):
-            if not file_name.endswith(".safetensors"):
-                continue  # the trainer writes the indexes and state file while the shards are written
-            if os.path.getsize(os.path.join(directory, file_name)) > 0:
-                return True
-    return False
+def staged_shard_sizes(root: str) -> list[int]:
+    """The sizes of the shard files in the staging directories (the indexes and state file, which
+    the trainer writes while the shards are written, are left out)."""
+    return [
+        os.path.getsize(os.path.join(root, name, file_name))
+        for name in staging_dirs(root)
+        for file_name in os.listdir(os.path.join(root, name))
+        if file_name.endswith(".safetensors")
+    ]
 
 
-def step_writer_until(pid: int, condition, timeout: float = 60.0) -> None:
-    """Let a SIGSTOPped writer run in 2 ms slices until ``condition()`` holds (it is left stopped)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("writer made no progress")
-        os.kill(pid, signal.SIGCONT)
-        time.sleep(0.002)
-        os.kill(pid, signal.SIGSTOP)
-        time.sleep(0.005)
+# The writer freezes (SIGSTOP) just after its first write to the shard of step 2.
+FIRST_WRITE_OF_STEP_2 = r"/\.checkpoint-2\.tmp-[^/]+/model-[^/]*\.safetensors$"
+BIG_BYTES = 32 * 1024 * 1024
 
 
 def test_writer_starts_without_torch_and_answers_pings_while_busy(checkpointer):
@@ -57,14 +48,17 @@ def test_writer_starts_without_torch_and_answers_pings_while_busy(checkpointer):
 
 
 def test_writer_killed_mid_write_fails_the_save_and_the_next_save_works(root):
-    ckpt = ckptd.Checkpointer(root, chunk_size="256KiB")
+    with writers_strike("write", FIRST_WRITE_OF_STEP_2, whom="stop"):
+        ckpt = ckptd.Checkpointer(root, chunk_size="256KiB")
+        ckpt.health_check()
     try:
         ckpt.save(1, {"model": {"w": torch.zeros(16)}})
         pid = ckpt.writer_pid
-        big = {"w": torch.randn(8 * 1024 * 1024)}  # 32 MiB
-        os.kill(pid, signal.SIGSTOP)
+        big = {"w": torch.randn(BIG_BYTES // 4)}
         request = ckpt.async_save(2, {"model": big})
-        step_writer_until(pid, lambda: partial_file_written(root))
+        wait_for(lambda: process_stopped(pid))
+        [size] = staged_shard_sizes(root)
+        assert 0 < size < BIG_BYTES  # killed mid-file
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(WriterError, match="SIGKILL"):
             request.wait(60)
@@ -107,19 +101,20 @@ def test_writer_exits_and_abandons_when_the_trainer_is_killed_mid_save(tmp_path)
             import os, signal, sys, time, torch, ckptd
             ckpt = ckptd.Checkpointer({root!r}, chunk_size="256KiB")
             ckpt.save(1, {{"model": {{"w": torch.ones(8)}}}})
-            pid = ckpt.writer_pid
-            os.kill(pid, signal.SIGSTOP)
-            ckpt.async_save(2, {{"model": {{"w": torch.randn(8 * 1024 * 1024)}}}})
-            print(pid, flush=True)
+            ckpt.async_save(2, {{"model": {{"w": torch.randn({BIG_BYTES // 4})}}}})
+            print(ckpt.writer_pid, flush=True)
             time.sleep(600)
             """
         )
     )
     shm_before = set(os.listdir("/dev/shm"))
-    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    with writers_strike("write", FIRST_WRITE_OF_STEP_2, whom="stop"):  # inherited by the trainer's writer
+        trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         writer_pid = int(trainer.stdout.readline())
-        step_writer_until(writer_pid, lambda: partial_file_written(root))
+        wait_for(lambda: process_stopped(writer_pid))
+        [size] = staged_shard_sizes(root)
+        assert 0 < size < BIG_BYTES  # the trainer dies while its writer is mid-file
         trainer.kill()
         trainer.wait(30)
         os.kill(writer_pid, signal.SIGCONT)

@@ -6,9 +6,11 @@ two environment variables that only the tests set, either
 
 * ``CKPTD_TEST_RECORD=<file>``: appends ``<pid> <thread> <op> <path> [<path2>]`` for every call (fd
   calls are named by the file the fd refers to), or
-* ``CKPTD_TEST_KILL=<op>|<regex>|<n>|<before|after>``: SIGKILLs the whole process group (the
-  trainer and its writer process) at the ``n``-th call of ``op`` on a path matching ``regex``,
-  before or after the call.  ``op`` ``http`` matches the request line of an HTTP request sent
+* ``CKPTD_TEST_KILL=<op>|<regex>|<n>|<before|after>[|<whom>]``: SIGKILLs the whole process group
+  (the trainer and its writer process) at the ``n``-th call of ``op`` on a path matching
+  ``regex``, before or after the call.  ``whom`` narrows that: ``self`` SIGKILLs only the process
+  making the call (a writer dying alone), ``stop`` SIGSTOPs it (frozen at an exact point, for the
+  test to inspect and then kill or continue).  ``op`` ``http`` matches the request line of an HTTP request sent
   on a socket (``PUT /bucket/run/checkpoint-2/checkpoint_manifest.json HTTP/1.1``): the
   object-store kill points.
 
@@ -57,7 +59,7 @@ def _arg_path(value: object, dir_fd: int | None) -> str:
     return os.path.abspath(path)
 
 
-_state: dict[str, object] = {"op": "", "when": "", "regex": re.compile("$^"), "left": 0, "log": -1}
+_state: dict[str, object] = {"op": "", "when": "", "whom": "group", "regex": re.compile("$^"), "left": 0, "log": -1}
 
 
 def configure() -> None:
@@ -66,8 +68,10 @@ def configure() -> None:
     kill = os.environ.get("CKPTD_TEST_KILL")
     record = os.environ.get("CKPTD_TEST_RECORD")
     if kill:
-        op, pattern, count, when = kill.split("|")
-        _state.update(op=op, regex=re.compile(pattern), left=int(count), when=when)
+        op, pattern, count, when, *whom = kill.split("|")
+        if whom and whom[0] not in ("group", "self", "stop"):
+            raise ValueError(f"CKPTD_TEST_KILL: unknown target {whom[0]!r} (group, self or stop)")
+        _state.update(op=op, regex=re.compile(pattern), left=int(count), when=when, whom=whom[0] if whom else "group")
     if record:
         _state["log"] = os.open(record, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
     if kill or record:
@@ -94,17 +98,23 @@ def _decide(op: str, paths: list[str]) -> bool:
     return hit
 
 
-def _die() -> None:
-    os.killpg(os.getpgid(0), signal.SIGKILL)
+def _strike() -> None:
+    whom = _state["whom"]
+    if whom == "self":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif whom == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)  # returns once the test sends SIGCONT
+    else:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
 def _run_at(hit: bool, call):  # type: ignore[no-untyped-def]
     """Make ``call()``, dying before or after it when ``hit`` (the kill point) says so."""
     if hit and _state["when"] == "before":
-        _die()
+        _strike()
     result = call()
     if hit:
-        _die()
+        _strike()
     return result
 
 
