@@ -1,18 +1,22 @@
 """A small HTTP/1.1 proxy on 127.0.0.1 that sits between a client and a real server.
 
 It forwards requests unchanged, records what went through (method, path, status, response body
-bytes), and on demand injects faults: ``503 SlowDown`` answers, connection resets, or going down
+bytes, the request's ``x-amz-checksum-crc32c`` header and the CRC32C of the body it carried), and
+on demand injects faults: ``503 SlowDown`` answers, connection resets, or going down
 entirely (refusing connections) and coming back on the same port.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import socket
 import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import crc32c
 
 Matcher = Callable[[str, str], bool]
 
@@ -30,6 +34,8 @@ class Exchange:
     path: str
     status: int
     response_bytes: int
+    sent_crc32c: str | None = None  # the request's x-amz-checksum-crc32c header
+    body_crc32c: str = ""  # base64 of the big-endian CRC32C of the request body, as S3 spells it
 
 
 @dataclass
@@ -175,6 +181,10 @@ class FaultProxy:
         with self._lock:
             return sum(e.response_bytes for e in self.exchanges if match(e.method, e.path))
 
+    def matching(self, match: Matcher) -> list[Exchange]:
+        with self._lock:
+            return [e for e in self.exchanges if match(e.method, e.path)]
+
     def count(self, match: Matcher) -> int:
         with self._lock:
             return sum(1 for e in self.exchanges if match(e.method, e.path))
@@ -217,6 +227,7 @@ class FaultProxy:
                     client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                     head = b"\r\n".join(line for line in head.split(b"\r\n") if not line.lower().startswith(b"expect:"))
                 body = _read_body(client, inbound, headers)
+                sent = base64.b64encode(crc32c.crc32c(body).to_bytes(4, "big")).decode("ascii")
                 fault = self._fault_for(method, path)
                 if fault == "down":
                     self.stop()
@@ -243,8 +254,9 @@ class FaultProxy:
                     _reset(client)
                     return
                 status, head, body = self._relay_response(upstream, outbound, client, method)
+                exchange = Exchange(method, path, status, len(body), headers.get("x-amz-checksum-crc32c"), sent)
                 with self._lock:  # recorded before the client sees the reply: no race with the test
-                    self.exchanges.append(Exchange(method, path, status, len(body)))
+                    self.exchanges.append(exchange)
                 client.sendall(head + body)
         except (_Closed, OSError):
             pass

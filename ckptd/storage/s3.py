@@ -2,7 +2,8 @@
 
 * A shard is streamed straight from the staging arena as a multipart upload: parts of
   ``StorageTuning.part_size_for(size)`` bytes, ``part_concurrency`` of them in flight, each retried
-  on its own; a failed or abandoned upload is aborted.
+  on its own; a failed or abandoned upload is aborted.  Each part carries its CRC32C
+  (``ChecksumCRC32C``, computed off the event loop), which S3 checks before it stores the part.
 * The manifest is written with ``If-None-Match: *`` (create-only) so two writers cannot both
   commit the same step.
 * ``discard`` aborts every unfinished multipart upload under a prefix and deletes its objects.
@@ -13,17 +14,20 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import errno as errno_codes
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
+
+import crc32c as _crc32c
 
 from ..errors import CheckpointExistsError, StorageError
 from .base import Stopped, StorageTuning, missing_file
 from .remote import FsspecStorage
 from .retry import RetryCounter, error_code, http_status, is_transient, retry_async
 
-__all__ = ["S3Storage", "s3_error"]
+__all__ = ["S3Storage", "part_payload", "s3_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +54,16 @@ def s3_error(action: str, url: str, error: BaseException, attempts: int | None =
         result = StorageError(errno_codes.EIO, f"cannot {action} {url}{tried}: {cause}")
     result.filename = url
     return result
+
+
+def part_payload(view: memoryview, checksum: bool) -> tuple[bytes, dict[str, str]]:
+    """The request body for one part (or a whole small file) and, if ``checksum``, the
+    ``ChecksumCRC32C`` parameter S3 verifies it against: base64 of the big-endian CRC32C."""
+    body = bytes(view)
+    if not checksum:
+        return body, {}
+    value = int(_crc32c.crc32c(body)).to_bytes(4, "big")  # the C code releases the GIL
+    return body, {"ChecksumCRC32C": base64.b64encode(value).decode("ascii")}
 
 
 class S3Storage(FsspecStorage):
@@ -137,13 +151,19 @@ class S3Storage(FsspecStorage):
         url = self._url(path)
         size = len(view)
         part_size = self.tuning.part_size_for(size)
+        checksums = await self._sends_checksums()
+        algorithm = {"ChecksumAlgorithm": "CRC32C"} if checksums else {}
+        loop = asyncio.get_running_loop()
         if size <= part_size:
             if should_stop():
                 raise Stopped(path)
-            await self._call("upload", url, "put_object", Bucket=bucket, Key=key, Body=bytes(view))
+            body, checksum = await loop.run_in_executor(None, part_payload, view, checksums)
+            await self._call("upload", url, "put_object", Bucket=bucket, Key=key, Body=body, **algorithm, **checksum)
             on_progress(size)
             return
-        created = await self._call("start upload of", url, "create_multipart_upload", Bucket=bucket, Key=key)
+        created = await self._call(
+            "start upload of", url, "create_multipart_upload", Bucket=bucket, Key=key, **algorithm
+        )
         upload_id = created["UploadId"]
         limit = self._part_limit()
 
@@ -151,7 +171,11 @@ class S3Storage(FsspecStorage):
             async with limit:
                 if should_stop():
                     raise Stopped(path)
-                body = bytes(view[start : start + part_size])
+                # The copy and its checksum are made off the event loop (the checksum releases
+                # the GIL), which stays free for the other parts' requests.
+                body, checksum = await loop.run_in_executor(
+                    None, part_payload, view[start : start + part_size], checksums
+                )
                 answer = await self._call(
                     f"upload part {number} of",
                     url,
@@ -161,9 +185,11 @@ class S3Storage(FsspecStorage):
                     UploadId=upload_id,
                     PartNumber=number,
                     Body=body,
+                    **algorithm,
+                    **checksum,
                 )
                 on_progress(len(body))
-                return {"PartNumber": number, "ETag": answer["ETag"]}
+                return {"PartNumber": number, "ETag": answer["ETag"], **checksum}
 
         tasks = [asyncio.ensure_future(upload_part(n, s)) for n, s in enumerate(range(0, size, part_size), start=1)]
         try:
@@ -175,6 +201,14 @@ class S3Storage(FsspecStorage):
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._abort(bucket, key, upload_id, url)
             raise
+
+    async def _sends_checksums(self) -> bool:
+        """Whether shard uploads carry a CRC32C of each part: when the client is left to its
+        default ``request_checksum_calculation="when_supported"``, under which botocore would
+        otherwise compute a CRC32 of every part itself on the event loop.  A client configured
+        ``"when_required"`` (for S3-compatible stores that reject checksum headers) sends none."""
+        client = await self._client()
+        return getattr(client.meta.config, "request_checksum_calculation", None) == "when_supported"
 
     def _part_limit(self) -> asyncio.Semaphore:
         """One bound on the parts in flight for every file this storage uploads (the writer

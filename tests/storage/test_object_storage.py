@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import threading
 
+import crc32c
 import pytest
 import torch
 from conftest import S3Place, assert_same, clone_state
@@ -68,6 +70,46 @@ def test_large_shard_is_uploaded_in_concurrent_multipart_parts(s3: S3Place, prox
     assert parts == 5
     assert proxy.count(lambda m, p: m == "POST" and "uploads" in p) == 1
     assert s3.uploads() == []
+
+
+def crc32c_b64(data: bytes) -> str:
+    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode("ascii")
+
+
+def stored_checksum(s3: S3Place, key: str) -> dict[str, object]:
+    head = s3.client.head_object(Bucket=s3.bucket, Key=key, ChecksumMode="ENABLED")
+    return {name: head.get(name) for name in ("ChecksumCRC32C", "ChecksumCRC32")}
+
+
+def test_every_part_carries_the_crc32c_of_its_bytes(s3: S3Place, proxy):
+    state = {"w": torch.randn(3 * 1024 * 1024 + 7)}  # 12 MiB + 28 bytes: three 5 MiB parts
+    options = s3.options(proxy.url)
+    with ckptd.Checkpointer(s3.url(), storage_options=options, part_size="5MiB") as ckpt:
+        ckpt.save(1, {"model": state, "small": {"b": torch.arange(10)}}, sharing={"small": "per_rank"})
+    # What the store checks each part against: the header sent with it is the CRC32C of the
+    # bytes that went over the wire.
+    parts = proxy.matching(lambda m, p: m == "PUT" and "partNumber=" in p)
+    small_puts = proxy.matching(lambda m, p: m == "PUT" and "/small" in p and p.endswith(".safetensors"))
+    assert len(parts) == 3 and len(small_puts) == 1
+    assert all(e.sent_crc32c == e.body_crc32c for e in parts + small_puts), parts + small_puts
+    # The object keeps the composite checksum: the CRC32C of its parts' CRC32Cs.
+    [shard] = [k for k in s3.keys("run/checkpoint-1/") if k.split("/")[-1].startswith("model-")]
+    body = s3.client.get_object(Bucket=s3.bucket, Key=shard)["Body"].read()
+    part = 5 * 1024 * 1024
+    digests = b"".join(crc32c.crc32c(body[i : i + part]).to_bytes(4, "big") for i in range(0, len(body), part))
+    assert stored_checksum(s3, shard) == {"ChecksumCRC32C": crc32c_b64(digests), "ChecksumCRC32": None}
+
+
+def test_a_client_configured_when_required_sends_no_checksums(s3: S3Place):
+    # For S3-compatible stores that reject checksum headers, users set botocore's
+    # request_checksum_calculation="when_required"; ckptd then adds none of its own.
+    options = {**s3.options(), "config_kwargs": {"request_checksum_calculation": "when_required"}}
+    state = {"w": torch.randn(3 * 1024 * 1024)}
+    with ckptd.Checkpointer(s3.url(), storage_options=options, part_size="5MiB") as ckpt:
+        ckpt.save(1, {"model": state})
+        assert_same(state["w"], ckpt.load(1)["model"]["w"])
+    [shard] = [k for k in s3.keys("run/checkpoint-1/") if k.split("/")[-1].startswith("model-")]
+    assert stored_checksum(s3, shard) == {"ChecksumCRC32C": None, "ChecksumCRC32": None}
 
 
 def test_keys_load_fetches_only_the_requested_byte_ranges(s3: S3Place, proxy):
