@@ -170,7 +170,9 @@ class CheckpointManager:
         self._previous_handlers: dict[int, Any] = {}
         self._preserved: set[int] = set(self._read_preserved())
         self._tasks: queue.Queue[str | None] = queue.Queue()
-        self._listed = ManifestCache()  # parsed manifests, for retention after each commit
+        # Parsed manifests, for retention after each commit: the checkpointer's, which each of its
+        # commits fills with the manifest it wrote.
+        self._listed: ManifestCache = checkpointer._saver.listed
         self._retention_error: BaseException | None = None
         self._idle = threading.Condition()
         self._busy = 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
-from ..catalog import discard_directory, read_manifest
+from ..catalog import ManifestCache, discard_directory, read_manifest
 from ..errors import CheckpointExistsError, CorruptCheckpointError, WriterError
 from ..formats.checksum import crc32c, crc32c_combine, format_crc
 from ..formats.manifest import (
@@ -160,11 +160,14 @@ def finalize_checkpoint(
     overwrite: bool = False,
     fsync: bool = True,
     described: Descriptions | None = None,
+    listed: ManifestCache | None = None,
 ) -> Manifest:
     """Write indexes, state and manifest into ``staging_dir``, then publish it as ``final_dir``.
 
     ``described``: the indexes and state file were written already (:func:`write_descriptions`,
-    from the same ``tensors``, ``components`` and ``trees``); only the manifest is left."""
+    from the same ``tensors``, ``components`` and ``trees``); only the manifest is left.
+    ``listed``: the committed manifest is left there with its bytes, so that the next listing
+    of the root (retention) does not parse it again."""
     started = time.perf_counter()
     for name, size in expected_sizes.items():
         record = written.get(name)
@@ -193,10 +196,11 @@ def finalize_checkpoint(
         metrics=dict(metrics or {}),
     )
     create_only = not storage.local and not overwrite
-    storage.write_bytes(
-        storage.join(staging_dir, MANIFEST_NAME), manifest.to_json(), fsync=fsync, create_only=create_only
-    )
+    data = manifest.to_json()
+    storage.write_bytes(storage.join(staging_dir, MANIFEST_NAME), data, fsync=fsync, create_only=create_only)
     publish(storage, staging_dir, final_dir, overwrite=overwrite)
+    if listed is not None:
+        listed.put(storage.join(final_dir, MANIFEST_NAME), data, manifest)
     return manifest
 
 

@@ -161,7 +161,9 @@ class Saver:
         self.guard = StepGuard()
         self.stats = new_recorder(root, self.rank)  # every finished save (read by Checkpointer.stats)
         self._tuning = dataclasses.asdict(options.tuning)  # sent with every write request
-        self._listed = ManifestCache()  # retention's listing of the root, on the completion thread
+        # Parsed manifests of the root, for retention after each commit (here, on the completion
+        # thread, or a CheckpointManager's); each commit leaves its own manifest in it.
+        self.listed = ManifestCache()
 
     def close(self) -> None:
         """Stop the staging thread (after the copies in flight) and remove the step guard."""
@@ -516,6 +518,7 @@ class Saver:
             fsync=self.options.fsync,
             world_size=plan.world_size,
             described=described,
+            listed=self.listed,
         )
 
     def _finish(self, job: SaveJob, outcome: Outcome) -> SaveResult:
@@ -525,7 +528,7 @@ class Saver:
             if self.options.keep_last is not None:
                 # Keep what saves still queued will reference once they commit.
                 protect = {job.request.path, *self.incremental.protected()}
-                apply_retention(self.storage, self.root, self.options.keep_last, protect=protect, cache=self._listed)
+                apply_retention(self.storage, self.root, self.options.keep_last, protect=protect, cache=self.listed)
             job.request.timings.update(manifest.timings)
             bytes_written = sum(f.size for f in manifest.files.values() if f.checkpoint is None)
             bytes_reused = sum(f.size for f in manifest.files.values() if f.checkpoint is not None)
