@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -86,6 +87,31 @@ def test_the_writer_writes_the_first_file_while_the_last_is_still_being_staged(h
     for key, tensor in state["model"].items():
         assert_same(tensor, loaded[key])
     assert len(ckpt.manifest(1).files) >= 3
+
+
+def description_files(root: str) -> list[str]:
+    """The JSON files (HF indexes, state file) in the staging directories under ``root``."""
+    staging = [os.path.join(root, n) for n in os.listdir(root) if n.startswith(".checkpoint-")]
+    return [name for directory in staging for name in os.listdir(directory) if name.endswith(".json")]
+
+
+@pytest.mark.timeout(120)
+def test_the_indexes_and_state_file_are_written_once_the_copy_is_over(hold_after_w1, root):
+    # Encoding them holds the GIL the copy loop needs: they wait for the copy, not the writer.
+    ckpt, hold = hold_after_w1
+    state = {**make_state(), "trainer": {"epoch": 1}}
+    before = written(ckpt)
+    request = ckpt.async_save(1, state, staging="background")
+    assert hold.reached.wait(30)
+    wait_for(lambda: written(ckpt) - before >= 4 * MIB)  # the shards are being written meanwhile
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:  # given time, they still do not appear
+        assert description_files(root) == []
+        time.sleep(0.05)
+    hold.release.set()
+    request.result(60)
+    assert {"model.safetensors.index.json", "state.json"} <= set(ckpt.manifest(1).files)
+    assert ckpt.load(1)["trainer"] == {"epoch": 1}
 
 
 @pytest.mark.timeout(120)
