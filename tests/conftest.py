@@ -128,13 +128,19 @@ def writers_strike(op: str, pattern: str, whom: str = "self", when: str = "after
                 os.environ[name] = value
 
 
-def process_stopped(pid: int) -> bool:
-    """True while ``pid`` is stopped by a signal (state ``T`` in ``/proc/<pid>/stat``)."""
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in ``/proc/<pid>/stat`` (``R``, ``S``, ``T``, ``Z``...), or
+    ``None`` once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+            return f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
-        return False
+        return None
+
+
+def process_stopped(pid: int) -> bool:
+    """True while ``pid`` is stopped by a signal."""
+    return process_state(pid) == "T"
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0, interval: float = 0.01) -> None:
@@ -148,11 +154,7 @@ def wait_for(condition: Callable[[], bool], timeout: float = 30.0, interval: flo
 
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
+    return process_state(pid) not in (None, "Z")
 
 
 @pytest.fixture

@@ -182,12 +182,12 @@ class FaultProxy:
             return sum(e.response_bytes for e in self.exchanges if match(e.method, e.path))
 
     def matching(self, match: Matcher) -> list[Exchange]:
+        """The matching exchanges so far, in the order they were recorded."""
         with self._lock:
             return [e for e in self.exchanges if match(e.method, e.path)]
 
     def count(self, match: Matcher) -> int:
-        with self._lock:
-            return sum(1 for e in self.exchanges if match(e.method, e.path))
+        return len(self.matching(match))
 
     # ---- serving ---------------------------------------------------------------------------
 

@@ -404,7 +404,7 @@ class Saver:
         """The coordinator: write the indexes and state file into the staging directory on their
         own thread while the shards are written (they need the plan only), once the copy into
         the arena is over: encoding the state file holds the GIL (json's C encoder) that the copy
-        loop needs, which with 30,000 tensors made blocking 0.15-0.2 s longer."""
+        loop needs, which made blocking longer for states of many tensors (docs/benchmarks.md)."""
         plan = job.plan
         if plan is None:
             return
