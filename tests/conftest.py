@@ -143,6 +143,11 @@ def process_stopped(pid: int) -> bool:
     return process_state(pid) == "T"
 
 
+def staging_dirs(root: str) -> list[str]:
+    """The staging directories (``.checkpoint-<step>.tmp-*``) under ``root``, as paths."""
+    return [os.path.join(root, n) for n in os.listdir(root) if n.startswith(".checkpoint-")]
+
+
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0, interval: float = 0.01) -> None:
     """Poll until ``condition()`` is true; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

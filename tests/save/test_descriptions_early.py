@@ -12,27 +12,13 @@ import json
 import os
 import resource
 import signal
-import time
-from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same
+from conftest import assert_same, staging_dirs, wait_for
 
 import ckptd
 from ckptd.errors import StorageError
-
-
-def _staging_dirs(root: str) -> list[str]:
-    return [os.path.join(root, n) for n in os.listdir(root) if n.startswith(".checkpoint-")]
-
-
-def _wait_for(condition: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting")
-        time.sleep(0.01)
 
 
 def test_indexes_and_state_are_written_before_any_shard_byte(root: str) -> None:
@@ -50,11 +36,11 @@ def test_indexes_and_state_are_written_before_any_shard_byte(root: str) -> None:
         request = ckpt.async_save(2, state)
 
         def described() -> bool:
-            names = {n for d in _staging_dirs(root) for n in os.listdir(d)}
+            names = {n for d in staging_dirs(root) for n in os.listdir(d)}
             return {"model.safetensors.index.json", "optimizer.safetensors.index.json", "state.json"} <= names
 
-        _wait_for(described)
-        (staging,) = _staging_dirs(root)
+        wait_for(described)
+        (staging,) = staging_dirs(root)
         shard_bytes = {
             n: os.path.getsize(os.path.join(staging, n)) for n in os.listdir(staging) if n.endswith(".safetensors")
         }
@@ -93,7 +79,7 @@ def test_a_failed_early_write_fails_the_save_and_keeps_the_last_checkpoint(root:
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         assert ckpt.steps() == [1]
-        _wait_for(lambda: _staging_dirs(root) == [])
+        wait_for(lambda: staging_dirs(root) == [])
         assert_same(torch.zeros(16), ckpt.load()["model"]["w"])
         ckpt.save(3, {"model": {"w": torch.ones(16)}, "trainer": {"note": "after"}})
         assert ckpt.load(3)["trainer"] == {"note": "after"}

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import assert_same, wait_for
+from conftest import assert_same, staging_dirs, wait_for
 
 import ckptd
 from ckptd.errors import CkptdError, WriterError
@@ -91,8 +91,7 @@ def test_the_writer_writes_the_first_file_while_the_last_is_still_being_staged(h
 
 def description_files(root: str) -> list[str]:
     """The JSON files (HF indexes, state file) in the staging directories under ``root``."""
-    staging = [os.path.join(root, n) for n in os.listdir(root) if n.startswith(".checkpoint-")]
-    return [name for directory in staging for name in os.listdir(directory) if name.endswith(".json")]
+    return [name for directory in staging_dirs(root) for name in os.listdir(directory) if name.endswith(".json")]
 
 
 @pytest.mark.timeout(120)

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import assert_same, pid_alive, process_stopped, wait_for, writers_strike
+from conftest import assert_same, pid_alive, process_stopped, staging_dirs, wait_for, writers_strike
 
 import ckptd
 from ckptd.errors import StorageError, WriterError
@@ -19,17 +19,13 @@ from ckptd.errors import StorageError, WriterError
 pytestmark = pytest.mark.multiprocess
 
 
-def staging_dirs(root: str) -> list[str]:
-    return [n for n in os.listdir(root) if n.startswith(".checkpoint-")]
-
-
 def staged_shard_sizes(root: str) -> list[int]:
     """The sizes of the shard files in the staging directories (the indexes and state file, which
     the trainer writes while the shards are written, are left out)."""
     return [
-        os.path.getsize(os.path.join(root, name, file_name))
-        for name in staging_dirs(root)
-        for file_name in os.listdir(os.path.join(root, name))
+        os.path.getsize(os.path.join(directory, file_name))
+        for directory in staging_dirs(root)
+        for file_name in os.listdir(directory)
         if file_name.endswith(".safetensors")
     ]
 
