@@ -13,9 +13,11 @@ step) of about ``--gib`` GiB and measures, in one run:
   ``torch.empty_like`` tensors, and ``safetensors.torch.save_file`` + ``fsync`` of the flat state;
 * ckptd ``Checkpointer.async_save``: blocking time and time until the commit, first save
   (constructor, writer start, arena allocation) separately from warm saves; then the same with
-  ``ckpt.prepare(state)`` called after the constructor (``ckptd[prepare]``, its time counted in
-  the first save) and with ``async_save(staging="background")`` (``ckptd[background]``), unless
-  ``--skip-variants``; ``--order`` sets the order of these runs;
+  ``async_save(staging="pipelined")`` (``ckptd[pipelined]``: the writer starts during the copy;
+  the default starts it after), with ``ckpt.prepare(state)`` called after the constructor
+  (``ckptd[prepare]``, its time counted in the first save) and with
+  ``async_save(staging="background")`` (``ckptd[background]``), unless ``--skip-variants``;
+  ``--order`` sets the order of these runs;
 * DCP ``async_save`` in process mode with a reused ``DefaultStager``, first and warm saves
   (a user-facing baseline), unless ``--skip-dcp``.
 
@@ -725,12 +727,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--skip-variants",
         action="store_true",
-        help="only ckptd's default configuration (no ckptd[prepare] and ckptd[background] runs)",
+        help="only ckptd's default configuration (no ckptd[pipelined], ckptd[prepare] and ckptd[background] runs)",
     )
     parser.add_argument(
         "--order",
-        default="defaults,prepare,background",
-        help="the ckptd runs, in this order (default defaults,prepare,background): a slow stretch of the "
+        default="defaults,pipelined,prepare,background",
+        help="the ckptd runs, in this order (default defaults,pipelined,prepare,background): a slow stretch of the "
         "disk lands on whichever run comes then, so a difference between runs is worth checking in "
         "another order",
     )
@@ -739,7 +741,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.gib <= 0 or args.repeats < 1:
         parser.error("--gib must be > 0 and --repeats >= 1")
     args.variants = [v for v in args.order.split(",") if v]
-    known = {"defaults", "prepare", "background"}
+    known = {"defaults", "pipelined", "prepare", "background"}
     if sorted(args.variants) != sorted(set(args.variants)) or not set(args.variants) <= known or not args.variants:
         parser.error(f"--order takes each of {sorted(known)} at most once, got {args.order!r}")
     return args
@@ -799,6 +801,12 @@ def main(argv: list[str] | None = None) -> int:
             "defaults": (
                 "ckptd async_save",
                 lambda: bench_ckptd(state, bench_dir, args.repeats, floors=floors),
+            ),
+            "pipelined": (
+                'ckptd async_save(staging="pipelined")',
+                lambda: bench_ckptd(
+                    state, bench_dir, args.repeats, "ckptd[pipelined]", staging="pipelined", floors=floors
+                ),
             ),
             "prepare": (
                 "ckptd async_save after ckpt.prepare(state)",

@@ -7,7 +7,7 @@ into the next) with ``--json``; this script reads those files and checks the tar
 floor are medians of the per-pair ratios.  User-facing baselines (DCP, safetensors, boto3) are
 reported beside them and labelled so.
 
-* S: ``bench_save.py``: warm blocking vs the copy floor (defaults, ``prepare``, background
+* S: ``bench_save.py``: warm blocking vs the copy floor (defaults, ``pipelined``, ``prepare``, background
   staging); warm ``async_save`` -> committed vs the write floor; the first save (constructor and
   writer start included) vs the write floor + 0.3 s; DCP ``async_save`` (process mode);
 * I: ``bench_interference.py``: median training step while a save is written vs without one,
@@ -216,8 +216,13 @@ def save_targets(data: Results) -> list[Target]:
     runs = {run["label"]: run for run in data["runs"]}
     ckptd, dcp = runs.get("ckptd"), next((r for label, r in runs.items() if label.startswith("DCP")), None)
     background, prepared = runs.get("ckptd[background]"), runs.get("ckptd[prepare]")
+    pipelined = runs.get("ckptd[pipelined]")
     rows: list[Target] = []
-    for label, run in (("defaults", ckptd), ("prepare(state) first", prepared)):
+    for label, run in (
+        ("defaults (writer starts after the copy)", ckptd),
+        ('staging="pipelined"', pipelined),
+        ("prepare(state) first", prepared),
+    ):
         if run:
             rows.append(
                 ratio_target(
@@ -238,7 +243,7 @@ def save_targets(data: Results) -> list[Target]:
                 pair_ratios=pair_ratios(background, "blocking", "copy", False),
             )
         )
-    for label, run in (("defaults", ckptd), ('staging="background"', background)):
+    for label, run in (("defaults", ckptd), ('staging="pipelined"', pipelined), ('staging="background"', background)):
         if run:
             rows.append(
                 ratio_target(

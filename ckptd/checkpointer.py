@@ -35,7 +35,7 @@ from .errors import CheckpointNotFoundError, CkptdError, ConfigError
 from .formats.manifest import Manifest
 from .load.assign import read_components, read_keys, restore_components
 from .load.reader import CheckpointReader
-from .options import CheckpointerOptions
+from .options import CheckpointerOptions, check_staging
 from .request import SaveRequest, SaveResult
 from .save.arena import StagingPool
 from .save.saver import SaveJob, Saver
@@ -208,7 +208,12 @@ class Checkpointer:
         backward overlap the snapshot.  Only optimizer steps are guarded: code that changes the
         saved tensors in other ways (BatchNorm running statistics in a forward pass, manual
         in-place edits) must wait for ``request.staged`` first.  The default,
-        ``staging="blocking"`` (or the Checkpointer's ``staging``), returns after the copy.
+        ``staging="blocking"`` (or the Checkpointer's ``staging``), returns after the copy, and
+        the writer starts once the copy is over: the copy has the CPU and memory bandwidth to
+        itself, so the call stalls training least.  ``staging="pipelined"`` also returns after
+        the copy, but the writer writes each chunk as soon as it is copied: committed sooner by
+        up to the copy's time, at the cost of a longer call wherever writing slows the copy
+        (docs/benchmarks.md).  ``"background"`` is pipelined too.
 
         ``frozen={"model": ["embed.*"]}`` declares tensors (glob patterns per component)
         unchanged since the previous save, for ``incremental`` Checkpointers.
@@ -231,9 +236,7 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         pickle_ok = self.options.allow_pickle if allow_pickle is None else allow_pickle
-        mode = staging or self.options.staging
-        if mode not in ("blocking", "background"):
-            raise ConfigError(f"staging must be 'blocking' or 'background', got {mode!r}")
+        mode = check_staging(staging or self.options.staging)
         final = self.path_for(step) if path is None else self._chosen_path(path)
         with self._save_lock:
             job = self._saver.start(
@@ -247,12 +250,13 @@ class Checkpointer:
                 metrics=metrics,
                 started=started,
                 background=mode == "background",
+                pipelined=mode != "blocking",
                 frozen=frozen,
             )
         with self._pending_lock:
             self._pending.append(job.request)
-        self._jobs.put(job)  # the writer starts on the first chunks while the copy goes on
-        if mode == "blocking":
+        self._jobs.put(job)  # pipelined: the writer starts on the first chunks while the copy goes on
+        if mode != "background":
             self._saver.finish_staging(job)
         return job.request
 

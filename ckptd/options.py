@@ -23,11 +23,13 @@ from .storage.base import (
 
 __all__ = [
     "KEY_LAYOUTS",
+    "STAGING_MODES",
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_MAX_IN_FLIGHT",
     "DEFAULT_MAX_SHARD_SIZE",
     "DEFAULT_WRITER_START_TIMEOUT",
     "CheckpointerOptions",
+    "check_staging",
     "parse_size",
 ]
 
@@ -42,6 +44,9 @@ DEFAULT_WRITER_NICE = 10
 DEFAULT_WRITER_IONICE = 7  # best-effort class, lowest priority
 DEFAULT_DIST_TIMEOUT = 600.0
 
+# async_save's staging modes: when it returns, and whether the writer starts during the copy.
+STAGING_MODES = ("blocking", "pipelined", "background")
+
 _SIZE_UNITS = {
     "": 1,
     "B": 1,
@@ -55,6 +60,13 @@ _SIZE_UNITS = {
     "TIB": 1024**4,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
+
+
+def check_staging(mode: str) -> str:
+    """``mode`` if it is one of :data:`STAGING_MODES`, else a :class:`ConfigError`."""
+    if mode not in STAGING_MODES:
+        raise ConfigError(f"staging must be one of {', '.join(map(repr, STAGING_MODES))}; got {mode!r}")
+    return mode
 
 
 def parse_size(value: int | str, what: str = "size") -> int:
@@ -116,7 +128,11 @@ class CheckpointerOptions:
         one object-store bucket spread their requests over many key prefixes.  Every loader
         reads both (the manifest and the HF index record the relative paths).
     Staging and the writer process:
-        ``staging``: default mode of ``async_save`` (``"blocking"`` or ``"background"``).
+        ``staging``: default mode of ``async_save``: ``"blocking"`` (returns after the copy; the
+        writer starts once the copy is over, so the copy has the CPU and memory to itself),
+        ``"pipelined"`` (returns after the copy; the writer writes the first chunks while the
+        copy goes on: sooner committed, a longer stall where the two compete) or
+        ``"background"`` (returns at once; the copy runs beside training, pipelined).
         ``max_in_flight``: staging arenas, i.e. saves that may be staged while earlier ones are
         still being written (``CKPTD_MAX_IN_FLIGHT``); beyond it ``async_save`` waits.
         ``write_threads``: files the writer writes at once (``CKPTD_WRITE_THREADS``; ``None``:
@@ -176,8 +192,7 @@ class CheckpointerOptions:
         object.__setattr__(self, "storage_options", dict(self.storage_options or {}))
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
-        if self.staging not in ("blocking", "background"):
-            raise ConfigError(f"staging must be 'blocking' or 'background', got {self.staging!r}")
+        check_staging(self.staging)
         if self.incremental not in (False, True, "hash"):
             raise ConfigError(f"incremental must be False, True or 'hash', got {self.incremental!r}")
         if self.key_layout not in KEY_LAYOUTS:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..options import STAGING_MODES
 from .app import Context, Result
 from .output import EXIT_OK, EXIT_OTHER, human_size
 
@@ -43,9 +44,10 @@ def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
     demo.add_argument(
         "--staging",
-        choices=("blocking", "background"),
+        choices=STAGING_MODES,
         default="blocking",
-        help="background: return before the copy; the next optimizer step waits for it",
+        help="blocking: the writer starts after the copy; pipelined: during it; background: return "
+        "before the copy (the next optimizer step waits for it)",
     )
     demo.set_defaults(func=_demo)
 

@@ -111,6 +111,7 @@ class SaveJob:
     metrics: dict[str, Any]
     overwrite: bool
     started: float
+    pipelined: bool = True  # the writer may start before the copy is over
     progress: _Progress = field(default_factory=_Progress)
 
 
@@ -187,13 +188,15 @@ class Saver:
         metrics: Mapping[str, Any] | None,
         started: float,
         background: bool = False,
+        pipelined: bool = True,
         frozen: Mapping[str, Iterable[str]] | None = None,
     ) -> SaveJob:
         """Describe, gather, plan and stage; returns the job for :meth:`complete`.
 
         The copy runs on the staging thread (CUDA copies on a side stream).  With ``background``
-        the next optimizer step waits for it; otherwise the caller queues the job, so that the
-        writer starts at once, and then waits in :meth:`finish_staging`.
+        the next optimizer step waits for it; otherwise the caller queues the job and then waits
+        in :meth:`finish_staging`.  ``pipelined``: the writer starts on the first chunks while
+        the copy goes on; otherwise it starts once the copy is over.
         """
         flats: list[FlatComponent] = []
 
@@ -255,6 +258,7 @@ class Saver:
             metrics=dict(metrics or {}),
             overwrite=overwrite,
             started=started,
+            pipelined=pipelined,
             progress=_Progress(staged_at=staged_at),
         )
 
@@ -439,12 +443,15 @@ class Saver:
             self.cleanup.discard(job.staging)
 
     def _write(self, job: SaveJob, timings: dict[str, float]) -> list[FileResult]:
-        """Have the writer write this rank's pieces.  While a background copy is still running the
-        request is pipelined: the writer starts on the first files and is told, chunk by chunk,
-        how far the copy has got (:meth:`~ckptd.save.arena.StageHandle.feed`)."""
+        """Have the writer write this rank's pieces.  A pipelined save whose copy is still running
+        sends a pipelined request: the writer starts on the first files and is told, chunk by
+        chunk, how far the copy has got (:meth:`~ckptd.save.arena.StageHandle.feed`).  Any other
+        save sends its request once the copy is over."""
+        handle = job.handle
+        if handle is not None and not job.pipelined:
+            handle.done.wait()  # the copy runs alone; its error is raised below (handle.wait())
         started = time.perf_counter()
         rank_plan = job.rank_plan
-        handle = job.handle
         writing = False
         try:
             files = [

@@ -1,6 +1,7 @@
-"""Pipelined saves: with background staging the writer writes the first shard files (and the
-first chunks of a file) while the staging copy is still filling the arena; a copy that fails or
-a writer that dies mid-pipeline abandons the save cleanly.
+"""Pipelined saves: with background or pipelined staging the writer writes the first shard files
+(and the first chunks of a file) while the staging copy is still filling the arena; with blocking
+staging (the default) it writes nothing until the copy is over.  A copy that fails or a writer
+that dies mid-pipeline abandons the save cleanly.
 
 Overlap is observed without timing: a staging hook (``StagingPool.after_copy``) holds the copy
 before the last tensor, and the writer's byte counter (``health_check``) must reach the first
@@ -220,12 +221,14 @@ def test_the_in_process_writer_pipelines_whole_files(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_blocking_save_is_pipelined_too_and_returns_once_the_copy_is_done(hold_after_w1):
+def test_a_pipelined_save_writes_during_the_copy_and_returns_once_the_copy_is_done(hold_after_w1):
     ckpt, hold = hold_after_w1
     state = make_state()
     before = written(ckpt)
     returned: list[ckptd.SaveRequest] = []
-    caller = threading.Thread(target=lambda: returned.append(ckpt.async_save(1, state)), daemon=True)
+    caller = threading.Thread(
+        target=lambda: returned.append(ckpt.async_save(1, state, staging="pipelined")), daemon=True
+    )
     caller.start()
     assert hold.reached.wait(30)
     wait_for(lambda: written(ckpt) - before >= 4 * MIB)  # file 1 written while async_save still copies
@@ -243,8 +246,34 @@ def test_a_blocking_save_is_pipelined_too_and_returns_once_the_copy_is_done(hold
 
 
 @pytest.mark.timeout(120)
-def test_a_blocking_copy_that_fails_raises_from_async_save_and_commits_nothing(root):
-    ckpt = ckptd.Checkpointer(root, max_shard_size="5MB")
+def test_a_blocking_save_writes_nothing_until_the_copy_is_over(hold_after_w1):
+    """The default mode: the copy has the machine to itself, the writer starts after it."""
+    ckpt, hold = hold_after_w1
+    state = make_state()
+    before = written(ckpt)
+    returned: list[ckptd.SaveRequest] = []
+    caller = threading.Thread(target=lambda: returned.append(ckpt.async_save(1, state)), daemon=True)
+    caller.start()
+    assert hold.reached.wait(30)
+    # The pipelined test above sees file 1 written in this state; here nothing may be.
+    time.sleep(2.0)
+    assert written(ckpt) == before
+    assert not any(name.endswith(".safetensors") for d in staging_dirs(ckpt.root) for name in os.listdir(d))
+    assert not returned and caller.is_alive()
+    hold.release.set()
+    caller.join(30)
+    assert len(returned) == 1 and returned[0].staged.is_set()
+    result = returned[0].result(60)
+    assert result.bytes_written >= 3 * 4 * MIB
+    loaded = ckpt.load(1)["model"]
+    for key, tensor in state["model"].items():
+        assert_same(tensor, loaded[key])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("staging", ["blocking", "pipelined"])
+def test_a_blocking_copy_that_fails_raises_from_async_save_and_commits_nothing(root, staging):
+    ckpt = ckptd.Checkpointer(root, max_shard_size="5MB", staging=staging)
     try:
         state = make_state()
         ckpt.save(1, state)
@@ -267,7 +296,7 @@ def test_a_blocking_copy_that_fails_raises_from_async_save_and_commits_nothing(r
         ckpt.close(wait=False)
 
 
-@pytest.mark.parametrize("staging", ["blocking", "background"])
+@pytest.mark.parametrize("staging", ["blocking", "pipelined", "background"])
 def test_a_save_that_copies_nothing_reuses_every_file(root, staging):
     # Every file frozen: the rank's arena copy is empty, the writer writes nothing.
     with ckptd.Checkpointer(root, max_shard_size="5MB", incremental=True) as ckpt:
