@@ -400,12 +400,9 @@ class LocalStorage:
         the local commit point."""
         self._fsync_directories(staging)
         try:
-            os.rename(staging, final)
-        except OSError as e:
-            if e.errno in (errno_codes.ENOTEMPTY, errno_codes.EEXIST, errno_codes.EISDIR):
-                raise CheckpointExistsError(f"checkpoint {final} already exists") from e
-            raise storage_error("rename to", final, e) from e
-        self.fsync_directory(os.path.dirname(final) or ".")
+            self.rename_directory(staging, final)
+        except CheckpointExistsError as e:
+            raise CheckpointExistsError(f"checkpoint {final} already exists") from e.__cause__
 
     def rename_directory(self, source: str, target: str) -> None:
         """Rename ``source`` to a ``target`` that does not exist, and fsync the parent."""
