@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -70,6 +71,22 @@ def written(ckpt: ckptd.Checkpointer) -> int:
     return int(ckpt.health_check()["bytes_written"])
 
 
+def assert_loads(ckpt: ckptd.Checkpointer, step: int, state: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Checkpoint ``step`` holds ``state``'s model tensors, bit for bit."""
+    loaded = ckpt.load(step)["model"]
+    for key, tensor in state["model"].items():
+        assert_same(tensor, loaded[key])
+
+
+def save_in_thread(ckpt: ckptd.Checkpointer, state: Any, **kwargs: Any) -> tuple[threading.Thread, list[Any]]:
+    """``ckpt.async_save(1, state, **kwargs)`` on a thread of its own (it blocks while the copy is
+    held); the list receives its request."""
+    returned: list[Any] = []
+    caller = threading.Thread(target=lambda: returned.append(ckpt.async_save(1, state, **kwargs)), daemon=True)
+    caller.start()
+    return caller, returned
+
+
 @pytest.mark.timeout(120)
 def test_the_writer_writes_the_first_file_while_the_last_is_still_being_staged(hold_after_w1):
     ckpt, hold = hold_after_w1
@@ -84,9 +101,7 @@ def test_the_writer_writes_the_first_file_while_the_last_is_still_being_staged(h
     hold.release.set()
     result = request.result(60)
     assert result.bytes_written > 3 * 4 * MIB
-    loaded = ckpt.load(1)["model"]
-    for key, tensor in state["model"].items():
-        assert_same(tensor, loaded[key])
+    assert_loads(ckpt, 1, state)
     assert len(ckpt.manifest(1).files) >= 3
 
 
@@ -131,9 +146,7 @@ def test_a_single_file_is_written_chunk_by_chunk_as_it_is_staged(root):
         request.result(60)
         shards = [name for name in ckpt.manifest(1).files if name.endswith(".safetensors")]
         assert shards == ["model-00001-of-00001.safetensors"]
-        loaded = ckpt.load(1)["model"]
-        for key, tensor in state["model"].items():
-            assert_same(tensor, loaded[key])
+        assert_loads(ckpt, 1, state)
     finally:
         hold.release.set()
         ckpt.close(wait=False)
@@ -157,9 +170,7 @@ def test_a_copy_failing_after_the_first_file_was_handed_over_commits_nothing(roo
         assert not os.path.exists(ckpt.path_for(2))
         ckpt.wait()
         assert staging_entries(root) == entries  # the abort removed the staging directory
-        loaded = ckpt.load(1)["model"]
-        for key, tensor in state["model"].items():
-            assert_same(tensor, loaded[key])
+        assert_loads(ckpt, 1, state)
         # The arena went back to the pool: the next save reuses it and commits.
         ckpt._pool.after_copy = None
         arenas = ckpt.health_check()["arena_bytes"]
@@ -189,9 +200,7 @@ def test_a_writer_killed_mid_pipeline_fails_the_save_and_the_previous_checkpoint
         request.result(60)
     assert ckpt.steps() == [1]
     assert staging_entries(ckpt.root) == entries
-    loaded = ckpt.load(1)["model"]
-    for key, tensor in state["model"].items():
-        assert_same(tensor, loaded[key])
+    assert_loads(ckpt, 1, state)
     # A new writer takes the next save.
     ckpt._pool.after_copy = None
     ckpt.async_save(3, state, staging="background").result(60)
@@ -212,9 +221,7 @@ def test_the_in_process_writer_pipelines_whole_files(tmp_path):
         assert not request.done()
         hold.release.set()
         request.result(60)
-        loaded = ckpt.load(1)["model"]
-        for key, tensor in state["model"].items():
-            assert_same(tensor, loaded[key])
+        assert_loads(ckpt, 1, state)
     finally:
         hold.release.set()
         ckpt.close(wait=False)
@@ -225,11 +232,7 @@ def test_a_pipelined_save_writes_during_the_copy_and_returns_once_the_copy_is_do
     ckpt, hold = hold_after_w1
     state = make_state()
     before = written(ckpt)
-    returned: list[ckptd.SaveRequest] = []
-    caller = threading.Thread(
-        target=lambda: returned.append(ckpt.async_save(1, state, staging="pipelined")), daemon=True
-    )
-    caller.start()
+    caller, returned = save_in_thread(ckpt, state, staging="pipelined")
     assert hold.reached.wait(30)
     wait_for(lambda: written(ckpt) - before >= 4 * MIB)  # file 1 written while async_save still copies
     assert not returned and caller.is_alive()
@@ -240,9 +243,7 @@ def test_a_pipelined_save_writes_during_the_copy_and_returns_once_the_copy_is_do
     assert request.staged.is_set()
     result = request.result(60)
     assert result.timings["blocking"] >= result.timings["stage"] > 0
-    loaded = ckpt.load(1)["model"]
-    for key, tensor in state["model"].items():
-        assert_same(tensor, loaded[key])
+    assert_loads(ckpt, 1, state)
 
 
 @pytest.mark.timeout(120)
@@ -251,9 +252,7 @@ def test_a_blocking_save_writes_nothing_until_the_copy_is_over(hold_after_w1):
     ckpt, hold = hold_after_w1
     state = make_state()
     before = written(ckpt)
-    returned: list[ckptd.SaveRequest] = []
-    caller = threading.Thread(target=lambda: returned.append(ckpt.async_save(1, state)), daemon=True)
-    caller.start()
+    caller, returned = save_in_thread(ckpt, state)
     assert hold.reached.wait(30)
     # The pipelined test above sees file 1 written in this state; here nothing may be.
     time.sleep(2.0)
@@ -265,9 +264,7 @@ def test_a_blocking_save_writes_nothing_until_the_copy_is_over(hold_after_w1):
     assert len(returned) == 1 and returned[0].staged.is_set()
     result = returned[0].result(60)
     assert result.bytes_written >= 3 * 4 * MIB
-    loaded = ckpt.load(1)["model"]
-    for key, tensor in state["model"].items():
-        assert_same(tensor, loaded[key])
+    assert_loads(ckpt, 1, state)
 
 
 @pytest.mark.timeout(120)
@@ -286,9 +283,7 @@ def test_a_blocking_copy_that_fails_raises_from_async_save_and_commits_nothing(r
         assert "device lost while copying w1" in str(ckpt.stats().last.error)
         assert ckpt.steps() == [1]
         assert staging_entries(root) == entries
-        loaded = ckpt.load(1)["model"]
-        for key, tensor in state["model"].items():
-            assert_same(tensor, loaded[key])
+        assert_loads(ckpt, 1, state)
         ckpt._pool.after_copy = None
         ckpt.save(3, state)
         assert ckpt.steps() == [1, 3]
@@ -304,6 +299,4 @@ def test_a_save_that_copies_nothing_reuses_every_file(root, staging):
         ckpt.save(1, state, staging=staging)
         result = ckpt.async_save(2, state, staging=staging, frozen={"model": ["*"]}).result(60)
         assert result.bytes_written < 4096 and result.bytes_reused > 3 * 4 * MIB  # indexes, state.json
-        loaded = ckpt.load(2)["model"]
-        for key, tensor in state["model"].items():
-            assert_same(tensor, loaded[key])
+        assert_loads(ckpt, 2, state)
