@@ -9,6 +9,9 @@ step) of about ``--gib`` GiB and measures, in one run:
   memfd-shared and anonymous memory, the faster) for the blocking time and the **write floor**
   (O_DIRECT from one page-aligned buffer + fsync, and buffered + fsync, the faster) for the time
   to committed; the ratios reported are medians of the per-pair ratios;
+* before every timed write (each write floor method, each save of ckptd, safetensors and DCP):
+  ``sync`` and a pause of ``--settle`` seconds (``floors.settle_disk``), so that no side pays for
+  the disk work of the measurement before it;
 * user-facing baselines (what a user would otherwise do, not floors): ``copy_`` into
   ``torch.empty_like`` tensors, and ``safetensors.torch.save_file`` + ``fsync`` of the flat state;
 * ckptd ``Checkpointer.async_save``: blocking time and time until the commit, first save
@@ -237,12 +240,12 @@ class Floors:
     ``"floor"``, the faster method).  Benchmarks call it right before each save they time.
     """
 
-    def __init__(self, state: State, bench_dir: str) -> None:
+    def __init__(self, state: State, bench_dir: str, settle: float = 0.0) -> None:
         from floors import CopyFloor, WriteFloor
 
         self.copy = CopyFloor(t for _, t in iter_tensors(state))
         self.copy.measure()  # warm-up: first touches, allocator
-        self.write = WriteFloor(self.copy.anonymous, self.copy.nbytes, bench_dir)
+        self.write = WriteFloor(self.copy.anonymous, self.copy.nbytes, bench_dir, settle=settle)
         self.write.measure()  # warm-up: the first large write of a process is slower on some machines
         self.history: list[dict[str, dict[str, float]]] = []
 
@@ -287,14 +290,16 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def bench_safetensors(state: State, bench_dir: str, repeats: int) -> Samples:
+def bench_safetensors(state: State, bench_dir: str, repeats: int, settle: float = 0.0) -> Samples:
     """Seconds for ``safetensors.torch.save_file`` of the flat state plus an fsync."""
+    from floors import settle_disk
     from safetensors.torch import save_file
 
     flat = dict(iter_tensors(state))
     path = os.path.join(bench_dir, "state.safetensors")
     samples = Samples("safetensors save_file+fsync")
     for _ in range(repeats):
+        settle_disk(settle)
         started = time.perf_counter()
         save_file(flat, path)
         fsync_path(path)
@@ -391,19 +396,24 @@ def bench_ckptd(
     staging: str = "blocking",
     prepare: bool = False,
     floors: Floors | None = None,
+    settle: float = 0.0,
 ) -> SaveRun:
     """First save (Checkpointer construction included in its total), then ``repeats`` warm saves.
 
     ``staging`` is passed to every ``async_save``. With ``prepare``, ``ckpt.prepare(state)`` runs
     right after the constructor and its time is counted in the setup (and so in the first total).
     With ``floors``, the floors are measured right before each save (before the constructor for
-    the first one), so every save has its own floor pair.
+    the first one), so every save has its own floor pair.  ``settle`` seconds of
+    ``floors.settle_disk`` come before each save's clock starts, as before each floor's write.
     """
+    from floors import settle_disk
+
     import ckptd
 
     run = new_save_run(label)
     if floors is not None:
         run.floors.append(floors.measure())
+    settle_disk(settle)
     root = os.path.join(bench_dir, label.replace("[", "-").replace("]", ""))
     started = time.perf_counter()
     cpu_started = cpu_seconds()
@@ -424,6 +434,7 @@ def bench_ckptd(
             if not first:
                 if floors is not None:
                     run.floors.append(floors.measure())
+                settle_disk(settle)
                 started = time.perf_counter()
                 cpu_started = cpu_seconds()
             writer_pid = ckpt.writer_pid
@@ -526,10 +537,11 @@ def dcp_staging_options() -> Any:
     )
 
 
-def bench_dcp(state: State, bench_dir: str, repeats: int) -> SaveRun:
+def bench_dcp(state: State, bench_dir: str, repeats: int, settle: float = 0.0) -> SaveRun:
     """DCP ``async_save`` (process mode, else thread mode) with a reused shared-memory stager."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from floors import settle_disk
     from torch.distributed.checkpoint.staging import DefaultStager
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -543,6 +555,7 @@ def bench_dcp(state: State, bench_dir: str, repeats: int) -> SaveRun:
         step = 0
         while step <= repeats:
             first = step == 0
+            settle_disk(settle)
             started = time.perf_counter()
             if first:
                 stager = DefaultStager(options)
@@ -736,10 +749,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "disk lands on whichever run comes then, so a difference between runs is worth checking in "
         "another order",
     )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=1.0,
+        help="seconds of sync + pause before every timed write, floors and savers alike (default 1.0; 0 = none)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write all samples and the table as JSON")
     args = parser.parse_args(argv)
-    if args.gib <= 0 or args.repeats < 1:
-        parser.error("--gib must be > 0 and --repeats >= 1")
+    if args.gib <= 0 or args.repeats < 1 or args.settle < 0:
+        parser.error("--gib must be > 0, --repeats >= 1 and --settle >= 0")
     args.variants = [v for v in args.order.split(",") if v]
     known = {"defaults", "pipelined", "prepare", "background"}
     if sorted(args.variants) != sorted(set(args.variants)) or not set(args.variants) <= known or not args.variants:
@@ -794,28 +813,42 @@ def main(argv: list[str] | None = None) -> int:
         )
         baselines["safetensors"] = timed_phase(
             "user-facing baseline: safetensors save_file+fsync",
-            lambda: bench_safetensors(state, bench_dir, args.repeats),
+            lambda: bench_safetensors(state, bench_dir, args.repeats, args.settle),
         )
-        floors = timed_phase("floors: allocating and warming up", lambda: Floors(state, bench_dir))
+        floors = timed_phase("floors: allocating and warming up", lambda: Floors(state, bench_dir, args.settle))
         variants: dict[str, tuple[str, Callable[[], SaveRun]]] = {
             "defaults": (
                 "ckptd async_save",
-                lambda: bench_ckptd(state, bench_dir, args.repeats, floors=floors),
+                lambda: bench_ckptd(state, bench_dir, args.repeats, floors=floors, settle=args.settle),
             ),
             "pipelined": (
                 'ckptd async_save(staging="pipelined")',
                 lambda: bench_ckptd(
-                    state, bench_dir, args.repeats, "ckptd[pipelined]", staging="pipelined", floors=floors
+                    state,
+                    bench_dir,
+                    args.repeats,
+                    "ckptd[pipelined]",
+                    staging="pipelined",
+                    floors=floors,
+                    settle=args.settle,
                 ),
             ),
             "prepare": (
                 "ckptd async_save after ckpt.prepare(state)",
-                lambda: bench_ckptd(state, bench_dir, args.repeats, "ckptd[prepare]", prepare=True, floors=floors),
+                lambda: bench_ckptd(
+                    state, bench_dir, args.repeats, "ckptd[prepare]", prepare=True, floors=floors, settle=args.settle
+                ),
             ),
             "background": (
                 'ckptd async_save(staging="background")',
                 lambda: bench_ckptd(
-                    state, bench_dir, args.repeats, "ckptd[background]", staging="background", floors=floors
+                    state,
+                    bench_dir,
+                    args.repeats,
+                    "ckptd[background]",
+                    staging="background",
+                    floors=floors,
+                    settle=args.settle,
                 ),
             ),
         }
@@ -824,7 +857,7 @@ def main(argv: list[str] | None = None) -> int:
         floors.close()
         free_memory()
         if not args.skip_dcp:
-            runs.append(timed_phase("DCP async_save", lambda: bench_dcp(state, bench_dir, args.repeats)))
+            runs.append(timed_phase("DCP async_save", lambda: bench_dcp(state, bench_dir, args.repeats, args.settle)))
         floor_history = [f for run in runs for f in run.floors]
         floor_stats = floor_samples(floor_history)
         floor_stats = {
@@ -846,6 +879,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "command": shlex.join([sys.executable, *sys.argv]),
                     "machine": machine,
+                    "settle_seconds": args.settle,
                     "state": {"bytes": total, "tensors": count, "vocab": VOCAB, "hidden": hidden, "layers": LAYERS},
                     "floors": {k: asdict(v) for k, v in floor_stats.items()},
                     "floor_methods": floor_methods(),

@@ -5,7 +5,8 @@ compared with, and the benchmark scripts interleave them with ckptd's repeats (f
 floor, ours) so that a noisy machine moves both sides of each pair together.
 
 * **Copy floor** (:class:`CopyFloor`): ``dst.copy_(src)`` of every tensor into views of one
-  pre-faulted buffer, at 64-byte aligned offsets, for two kinds of memory: a ``memfd`` mapped
+  pre-faulted buffer, at 64-byte aligned offsets, in the order of the tensors' addresses (both the
+  reads and the writes then move forward through memory), for two kinds of memory: a ``memfd`` mapped
   ``MAP_SHARED`` (the kind of memory ckptd's staging arena is; ``posix_fallocate`` +
   ``MAP_POPULATE``) and anonymous private memory (``MAP_POPULATE``).  The floor is the faster.
 * **Write floor** (:class:`WriteFloor`): the state's bytes, laid out back to back in one
@@ -21,6 +22,11 @@ floor, ours) so that a noisy machine moves both sides of each pair together.
   file offsets differ within a page).  The floor is the fastest method.  Warm (page cache hot)
   and cold (``posix_fadvise(DONTNEED)`` on every file first; the bytes really read from the
   disk are taken from ``read_bytes`` in ``/proc/self/io``).
+
+Before every timed write, the floor's and ckptd's alike, the benchmarks call :func:`settle_disk`:
+on this machine a write that starts right after another one (and after the ``discard`` of the
+file it deleted) pays for the host's work on that one, and the order of the measurements must
+not decide which side pays.
 
 One-line descriptions of each method are in :data:`METHODS` (``run_all.py`` prints them).
 """
@@ -47,6 +53,7 @@ __all__ = [
     "WriteFloor",
     "drop_from_page_cache",
     "proc_io",
+    "settle_disk",
 ]
 
 PAGE = mmap.PAGESIZE
@@ -60,12 +67,12 @@ DIRECT_BLOCK = 8 * 1024**2
 
 METHODS = {
     "copy": (
-        "copy_ of every tensor into views of one pre-faulted buffer, the faster of a memfd MAP_SHARED mapping "
-        "(fallocated + MAP_POPULATE, the arena's kind of memory) and anonymous MAP_POPULATE memory"
+        "copy_ of every tensor, in address order, into views of one pre-faulted buffer, the faster of a memfd "
+        "MAP_SHARED mapping (fallocated + MAP_POPULATE, the arena's kind of memory) and anonymous MAP_POPULATE memory"
     ),
     "write": (
         "all bytes in one page-aligned buffer, 16 MiB pwrites to one new file + fsync, the faster of O_DIRECT "
-        "and buffered"
+        "and buffered; sync + a settle pause before each timed write, the floor's and ckptd's alike"
     ),
     "read": (
         "os.preadv of each safetensors data section straight into the preallocated targets, the fastest of one "
@@ -88,6 +95,16 @@ def proc_io() -> dict[str, int]:
     """``/proc/self/io`` as ``{field: value}`` (``rchar``, ``read_bytes``, ...)."""
     with open("/proc/self/io") as f:
         return {k: int(v) for k, v in (line.split(":") for line in f)}
+
+
+def settle_disk(seconds: float) -> None:
+    """Flush every dirty page (``sync``), then wait ``seconds``, so that the disk work of the
+    previous measurement (its writeback, the ``discard`` of the files it deleted, the host's own
+    work behind the virtual disk, which the guest cannot see) does not land on the next one.
+    Called before every timed write, floors and ckptd alike; ``seconds <= 0`` does nothing."""
+    if seconds > 0:
+        os.sync()
+        time.sleep(seconds)
 
 
 def drop_from_page_cache(paths: Iterable[str]) -> None:
@@ -127,7 +144,10 @@ class CopyFloor:
     """
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        self.sources = [_byte_view(t.contiguous()) for t in tensors]
+        # Address order: the copy then reads the sources and writes the buffer front to back (in a
+        # state's own order the reads jump between tensors allocated in another order; ckptd's
+        # arena order can happen to match the addresses, and the floor must not lose to it).
+        self.sources = sorted((_byte_view(t.contiguous()) for t in tensors), key=lambda t: t.data_ptr())
         offsets, size = [], 0
         for src in self.sources:
             size = _round_up(size, TENSOR_ALIGNMENT)
@@ -182,16 +202,19 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 class WriteFloor:
     """Writes ``nbytes`` of a page-aligned ``buffer`` to one new file + ``fsync``, O_DIRECT and buffered."""
 
-    def __init__(self, buffer: mmap.mmap, nbytes: int, directory: str) -> None:
+    def __init__(self, buffer: mmap.mmap, nbytes: int, directory: str, settle: float = 0.0) -> None:
         if len(buffer) % DIRECT_ALIGNMENT:
             raise ValueError("the write floor's buffer must be a multiple of 4096 bytes long")
         self.buffer = buffer
         self.nbytes = nbytes
         self.path = os.path.join(directory, "write-floor.bin")
         self.direct_ok = hasattr(os, "O_DIRECT")
+        self.settle = settle  # seconds of settle_disk() before each timed write
 
     def write(self, direct: bool) -> float:
-        """Seconds to create the file, write every byte, (truncate,) fsync and close it."""
+        """Seconds to create the file, write every byte, (truncate,) fsync and close it (after
+        :func:`settle_disk`, untimed)."""
+        settle_disk(self.settle)
         view = memoryview(self.buffer)
         length = _round_up(self.nbytes, DIRECT_ALIGNMENT) if direct else self.nbytes
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
