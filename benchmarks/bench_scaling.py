@@ -14,9 +14,11 @@ Per configuration: the first save (constructor, writer start, first plan and are
 blocking and total), the median of ``--repeats`` warm saves (blocking = until ``async_save``
 returns, total = until the commit), and the writer process's ``VmRSS`` / ``VmHWM`` after the last
 save (``/proc/<writer_pid>/status``; the staging arena is a shared mapping the writer touches,
-so it is in the writer's RSS).  Per-tensor overhead = the warm time's growth from the smallest
-to the largest count, divided by the added tensors.  A configuration that does not finish within
-``--timeout`` seconds is reported as such.
+so it is in the writer's RSS).  Every timed write (each floor method, each save) comes after
+``--settle`` seconds of ``sync`` + pause (``floors.settle_disk``), as in ``bench_save.py``, so a
+save does not pay for the disk work of the save or floor before it.  Per-tensor overhead = the
+warm time's growth from the smallest to the largest count, divided by the added tensors.  A
+configuration that does not finish within ``--timeout`` seconds is reported as such.
 
 The table is printed; ``--plot`` writes a PNG (matplotlib, the ``bench`` extra).
 
@@ -74,10 +76,11 @@ def count_state(gib: float, count: int) -> dict[str, dict[str, Any]]:
     return {"model": {f"layers.{i}.weight": torch.randn(numel, generator=gen) for i in range(count)}}
 
 
-def run_one(kind: str, gib: float, count: int, repeats: int, parent_dir: str) -> dict[str, Any]:
+def run_one(kind: str, gib: float, count: int, repeats: int, parent_dir: str, settle: float = 0.0) -> dict[str, Any]:
     """Measure one configuration in this process; returns the record the parent prints."""
     import torch
     from bench_save import Floors, build_state, iter_tensors, state_bytes
+    from floors import settle_disk
 
     import ckptd
 
@@ -86,11 +89,12 @@ def run_one(kind: str, gib: float, count: int, repeats: int, parent_dir: str) ->
     nbytes = state_bytes(state)
     tensors = sum(1 for _ in iter_tensors(state))
     bench_dir = tempfile.mkdtemp(prefix="ckptd-bench-scaling-", dir=parent_dir)
-    floors = Floors(state, bench_dir) if kind == "size" else None
+    floors = Floors(state, bench_dir, settle) if kind == "size" else None
     record: dict[str, Any] = {"kind": kind, "bytes": nbytes, "tensors": tensors, "saves": [], "floors": []}
     try:
         if floors is not None:
             record["floors"].append(floors.measure())
+        settle_disk(settle)
         started = time.perf_counter()
         ckpt = ckptd.Checkpointer(os.path.join(bench_dir, "ckpt"), max_shard_size="2GB")
         try:
@@ -98,6 +102,7 @@ def run_one(kind: str, gib: float, count: int, repeats: int, parent_dir: str) ->
                 if step:
                     if floors is not None:
                         record["floors"].append(floors.measure())
+                    settle_disk(settle)
                     started = time.perf_counter()
                 call = time.perf_counter()
                 request = ckpt.async_save(step, state)
@@ -139,6 +144,8 @@ def run_child(kind: str, gib: float, count: int, args: argparse.Namespace) -> di
         str(args.repeats),
         "--dir",
         args.dir,
+        "--settle",
+        str(args.settle),
     ]
     print(f"\n== {kind}: {gib} GiB, {count or 301} tensors", flush=True)
     started = time.perf_counter()
@@ -308,12 +315,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="warm saves per configuration (default 3)")
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds per configuration (default 150)")
     parser.add_argument("--dir", default="/work", help="parent of the benchmark directories (default /work)")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=1.0,
+        help="seconds of sync + pause before every timed write, floors and saves alike (default 1.0; 0 = none)",
+    )
     parser.add_argument("--plot", metavar="PNG", help="write the plot here (needs matplotlib)")
     parser.add_argument("--json", metavar="PATH", help="also write every record as JSON")
     parser.add_argument("--one", nargs=3, metavar=("KIND", "GIB", "COUNT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error("--repeats must be >= 1")
+    if args.repeats < 1 or args.settle < 0:
+        parser.error("--repeats must be >= 1 and --settle >= 0")
     return args
 
 
@@ -321,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.one:
         kind, gib, count = args.one[0], float(args.one[1]), int(args.one[2])
-        record = run_one(kind, gib, count, args.repeats, args.dir)
+        record = run_one(kind, gib, count, args.repeats, args.dir, args.settle)
         print(RESULT_PREFIX + json.dumps(record), flush=True)
         return 0
     from bench_save import dump_json, machine_info
