@@ -254,7 +254,12 @@ def save_targets(data: Results) -> list[Target]:
                     pair_ratios=pair_ratios(run, "total", "write", False),
                 )
             )
-    for label, run in (("no prepare", ckptd), ("prepare(state) first, counted", prepared)):
+    for label, run in (
+        ("no prepare", ckptd),
+        ('staging="pipelined"', pipelined),
+        ("prepare(state) first, counted", prepared),
+        ('staging="background"', background),
+    ):
         if run is None:
             continue
         first = median(run["first_total"]["values"])
