@@ -483,7 +483,8 @@ class Saver:
                 "tuning": self._tuning,
             }
             if self.steps is not None:
-                self.steps.writing_started()
+                # Training goes on: the writer starts at the limit it learned in earlier saves.
+                fields["resume_throttle"] = self.steps.writing_started()
                 writing = True
             if handle is None or handle.done.is_set():
                 written = self.writer.write_files(**fields).result()

@@ -5,14 +5,19 @@ global optimizer step pre-hook, or :meth:`~ckptd.Checkpointer.mark_step` for loo
 torch optimizer).  Intervals between steps while no save is being written form the baseline
 (the median of the last :data:`BASELINE_STEPS`).  While a save is written, each
 :data:`WINDOW_STEPS` steps are compared with it: a median above ``limit`` (1.10x) tells the
-writer to slow down (it halves its rate, see :mod:`ckptd.writer.throttle`), one below
+writer to slow down (it halves its rate, see :mod:`ckptd.writer.throttle`; twice when the
+median is more than twice as far over 1.0 as the limit, e.g. 1.2x for 1.10x), one below
 ``relax`` (1.03x) lets it speed up again, and in between "hold" keeps the limit (only after a
 "slower": an unthrottled writer is told nothing).  A "slower" that did not make the next window
 at least 3% faster shows the writer is not what slows training (another process, the data
-loader): the limit is released and that save is left alone.  A throttled writer that hears nothing for a
-while (nobody trains) lifts the limit by itself.  The step that spans the start of a write (it holds
-the ``async_save`` call) is not counted.  Each save starts at full speed; ``wait()`` and
-``close()`` release the limit, since nobody trains while they wait.
+loader): the limit is released and that save is left alone.  A throttled
+writer that hears nothing for a while (nobody trains) lifts the limit by itself.  The step that
+spans the start of a write (it holds the ``async_save`` call) is not counted.
+
+The writer remembers the limit it was last given.  A save whose write starts while training goes
+on (a step began less than :data:`~ckptd.writer.throttle.QUIET_SECONDS` before) starts at that
+limit (:meth:`StepMonitor.writing_started` says so); any other starts at full speed.  ``wait()``
+and ``close()`` release the limit, since nobody trains while they wait.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
+
+from ..writer.throttle import QUIET_SECONDS
 
 __all__ = ["BASELINE_STEPS", "WINDOW_STEPS", "StepMonitor"]
 
@@ -70,15 +77,22 @@ class StepMonitor:
             self._hook.remove()
             self._hook = None
 
-    def writing_started(self) -> None:
-        """A save's write began (the completion thread)."""
+    def writing_started(self) -> bool:
+        """A save's write began (the completion thread).  Returns whether training goes on (a
+        baseline was measured and a step began less than ``QUIET_SECONDS`` ago): the writer
+        then starts at the limit it learned in earlier saves."""
         with self._lock:
+            last = self._last
+            training = (
+                last is not None and len(self._baseline) >= _MIN_BASELINE and self._clock() - last < QUIET_SECONDS
+            )
             self._writing += 1
             self._slowed = False
             self._slowed_at = None
             self._gave_up = False
             self._window.clear()
             self._last = None  # the step in progress holds the async_save call: not counted
+        return training
 
     def writing_finished(self) -> None:
         with self._lock:
@@ -88,7 +102,7 @@ class StepMonitor:
 
     def step(self) -> None:
         """One training step began (the optimizer pre-hook, or ``mark_step()``)."""
-        action = None
+        actions: list[str] = []
         with self._lock:
             now = self._clock()
             last, self._last = self._last, now
@@ -107,17 +121,19 @@ class StepMonitor:
                 return
             if ratio > self.limit and self._slowed_at is not None and ratio > self._slowed_at * _HELPED:
                 # Slowing the writer down did not make the steps faster: it is not the cause.
-                action = "release"
+                actions = ["release"]
                 self._gave_up = True
             elif ratio > self.limit:
-                action = "slower"
+                # Steps more than twice as far over the limit's margin: halve the rate twice.
+                far = ratio - 1 > 2 * (self.limit - 1)
+                actions = ["slower", "slower"] if far else ["slower"]
                 self._slowed = True
                 self._slowed_at = ratio
             elif ratio < self.relax and self._slowed:
-                action = "faster"
+                actions = ["faster"]
             elif self._slowed:
-                action = "hold"  # still training, rate about right: keeps the limit alive
-        if action is not None:
+                actions = ["hold"]  # still training, rate about right: keeps the limit alive
+        for action in actions:
             self.sent.append(action)
             self._send(action)
 

@@ -368,8 +368,8 @@ class WriterClient:
             logger.debug("ckptd writer %s: could not send %s", self.label, type(message).__name__)
 
     def throttle(self, action: str) -> None:
-        """Adjust the writer's adaptive I/O throttle (``"slower"``, ``"faster"``, ``"release"``);
-        a notice, so the training thread never waits for it."""
+        """Adjust the writer's adaptive I/O throttle (``"slower"``, ``"faster"``, ``"hold"``,
+        ``"release"``); a notice, so the training thread never waits for it."""
         with self._io_lock:
             channel = self._channel
         self._notify(channel, Throttle(action))

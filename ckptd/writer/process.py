@@ -191,7 +191,7 @@ class _Writer:
         with self.gates_lock:
             gate = self.gates.get(request.request_id)
         view = segment.view()
-        self.throttle.reset()  # every save starts at full speed
+        self.throttle.reset(resume=request.resume_throttle)  # full speed unless training goes on
         slept_before = self.throttle.throttled_seconds
         try:
             written = write_files(

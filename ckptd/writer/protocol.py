@@ -120,7 +120,8 @@ class WriteFiles(Message):
     ``abandon_directory`` tells the writer which directory to delete if its parent dies while
     this request is in flight.  ``staged``: ``None`` when every byte is in the arena already;
     otherwise the arena offset below which the bytes are staged so far, raised by later
-    :class:`Staged` notices (a pipelined save).
+    :class:`Staged` notices (a pipelined save).  ``resume_throttle``: the trainer is training,
+    so the adaptive throttle starts at the limit it learned (:mod:`ckptd.writer.throttle`).
     """
 
     request_id: int
@@ -134,6 +135,7 @@ class WriteFiles(Message):
     abandon_directory: str | None = None
     tuning: dict[str, Any] = field(default_factory=dict)
     staged: int | None = None
+    resume_throttle: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ class Staged(Message):
 @dataclass(frozen=True)
 class Throttle(Message):
     """Adjust the writer's adaptive I/O throttle (a notice: nothing answers it).  ``action`` is
-    ``"slower"``, ``"faster"`` or ``"release"`` (see :mod:`ckptd.writer.throttle`)."""
+    one of :data:`~ckptd.writer.throttle.THROTTLE_ACTIONS` (see :mod:`ckptd.writer.throttle`)."""
 
     action: str
 

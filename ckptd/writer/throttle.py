@@ -2,12 +2,21 @@
 
 The trainer side (:mod:`ckptd.save.throttle`) watches training steps and sends ``"slower"``
 when steps during a write are measurably slower than without one, ``"faster"`` when they are
-not, ``"hold"`` in between, and ``"release"`` when nobody trains (``wait()``, ``close()``);
-:data:`QUIET_SECONDS` without any notice releases the limit too.  The bucket turns those
+not, ``"hold"`` in between, and ``"release"`` when nobody trains (``wait()``, ``close()``) or
+slowing down did not help (the writer is not what slows training); :data:`QUIET_SECONDS`
+without any notice releases the limit too.  The bucket turns those
 into a rate: ``slower`` halves the current rate (the measured unthrottled throughput at first,
 never below :data:`MIN_RATE`), ``faster`` raises it by half, and once it is above twice the
-unthrottled throughput the limit is lifted.  Every write request starts unthrottled, so a save
-slows down only while it is measured to hurt.  Torch-free.
+unthrottled throughput the limit is lifted.
+
+The limit that ``slower`` and ``faster`` last set is remembered (:attr:`WriteThrottle.learned_rate`;
+``release`` and silence lift the limit but keep it; ``faster`` past the lifting point drops it).
+A write request starts at full speed, unless the trainer says it is training (``resume``): then
+it starts at the remembered limit, so that the next save does not first slow training down for
+the several steps the trainer needs to measure it again (on the 2-core VM of docs/benchmarks.md
+a 1 GiB save is written in about 2 s, about as long as the trainer takes to halve the rate
+twice).  A limit that no longer hurts is raised by the ``faster`` notices of the saves that
+start at it.  Torch-free.
 """
 
 from __future__ import annotations
@@ -43,17 +52,24 @@ class WriteThrottle:
         self._lock = threading.Lock()
         self.rate: float | None = None
         self.unthrottled_rate: float | None = None  # bytes/s measured while no limit applied
+        self.learned_rate: float | None = None  # the limit slower/faster last set (see the module doc)
         self.throttled_seconds = 0.0  # slept so far (all requests)
         self._tokens = 0.0
         self._refilled = clock()
         self._last_chunk: float | None = None
         self._noticed = clock()
 
-    def reset(self) -> None:
-        """A new write request: unthrottled again."""
+    def reset(self, resume: bool = False) -> None:
+        """A new write request: at full speed, or with ``resume`` (the trainer is training) at
+        :attr:`learned_rate` (full speed when there is none)."""
         with self._lock:
-            self.rate = None
             self._last_chunk = None
+            self.rate = self.learned_rate if resume else None
+            if self.rate is not None:
+                now = self._clock()
+                self._tokens = 0.0
+                self._refilled = now
+                self._noticed = now  # the trainer spoke: training goes on
 
     def adjust(self, action: str) -> None:
         """Apply ``"slower"``, ``"faster"``, ``"hold"`` or ``"release"`` (anything else is ignored)."""
@@ -65,13 +81,14 @@ class WriteThrottle:
                 start = self.rate if self.rate is not None else self.unthrottled_rate
                 if start is None:
                     return  # nothing measured yet: the next chunk will tell
-                self.rate = max(MIN_RATE, start / 2)
+                self.rate = self.learned_rate = max(MIN_RATE, start / 2)
                 self._tokens = 0.0
                 self._refilled = self._clock()
             elif action == "faster" and self.rate is not None:
                 self.rate *= 1.5
                 if self.unthrottled_rate is not None and self.rate > 2 * self.unthrottled_rate:
                     self.rate = None
+                self.learned_rate = self.rate
 
     def consume(self, nbytes: int, should_stop: Callable[[], bool] = lambda: False) -> float:
         """Account for ``nbytes`` just written; sleeps while the bucket is in debt (in slices,

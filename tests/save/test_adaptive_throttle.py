@@ -13,6 +13,7 @@ from conftest import assert_same
 import ckptd
 from ckptd.errors import ConfigError
 from ckptd.options import CheckpointerOptions
+from ckptd.writer.throttle import QUIET_SECONDS
 
 
 def _model_and_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
@@ -52,6 +53,39 @@ def test_slowed_training_throttles_the_writer_until_that_does_not_help(tmp_path:
         assert result.timings.get("throttled", 0.0) > 0.0
         assert ckpt.health_check()["throttled_seconds"] > 0.0
         assert_same(ckpt.load(1, into=None)["payload"], state["payload"])
+
+
+def test_the_next_save_while_training_starts_at_the_learned_limit(tmp_path: Any) -> None:
+    model, optimizer, state = _model_and_state()
+    with ckptd.Checkpointer(str(tmp_path), throttle=True, chunk_size="1MiB") as ckpt:
+        ckpt.prepare(state)
+        for _ in range(12):
+            _step(model, optimizer, 0.002)
+        first = ckpt.async_save(1, state)
+        while not first.done() and "slower" not in ckpt._steps.sent:
+            _step(model, optimizer, 0.010)  # slowed while the write goes on
+        ckpt.wait()  # "release": the rest is written at full speed; the limit is remembered
+        sent = list(ckpt._steps.sent)
+        assert sent[-1] == "release" and set(sent[:-1]) == {"slower"}, sent
+        assert ckpt.health_check()["write_rate"] is None
+        for _ in range(12):
+            _step(model, optimizer, 0.002)
+        ckpt._steps.sent.clear()
+        second = ckpt.async_save(2, state)
+        rates = []  # the writer's limit while the trainer has asked nothing during this save
+        while not second.done():
+            if not ckpt._steps.sent:
+                rates.append(ckpt.health_check()["write_rate"])
+            _step(model, optimizer, 0.002)
+        result = second.result()
+        assert any(rate is not None for rate in rates), (rates, list(ckpt._steps.sent))
+        assert result.timings.get("throttled", 0.0) > 0.0
+        assert_same(ckpt.load(2, into=None)["payload"], state["payload"])
+        time.sleep(QUIET_SECONDS + 0.2)  # no step for a while: nobody trains
+        ckpt._steps.sent.clear()
+        third = ckpt.async_save(3, state)
+        assert "throttled" not in third.result().timings  # full speed
+        assert list(ckpt._steps.sent) == []
 
 
 def test_wait_releases_the_limit_so_the_save_finishes_at_full_speed(tmp_path: Any) -> None:

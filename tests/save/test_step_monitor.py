@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ckptd.save.throttle import StepMonitor
+from ckptd.writer.throttle import QUIET_SECONDS
 
 
 class Steps:
@@ -23,8 +24,16 @@ def test_slowed_steps_during_a_write_ask_for_a_slower_writer() -> None:
     steps = Steps()
     steps.run(10, 0.010)  # baseline: 10 ms steps, no save
     steps.monitor.writing_started()
-    steps.run(5, 0.012)  # 1.2x: the first step spans the save call and is not counted
+    steps.run(5, 0.0115)  # 1.15x: the first step spans the save call and is not counted
     assert steps.sent == ["slower"]
+
+
+def test_steps_far_over_the_limit_halve_the_rate_twice() -> None:
+    steps = Steps()
+    steps.run(10, 0.010)
+    steps.monitor.writing_started()
+    steps.run(5, 0.0125)  # 1.25x: more than twice the 10% margin over the baseline
+    assert steps.sent == ["slower", "slower"]
 
 
 def test_steps_within_the_limit_send_nothing_while_unthrottled() -> None:
@@ -39,10 +48,10 @@ def test_slowing_down_goes_on_while_it_helps() -> None:
     steps = Steps()
     steps.run(10, 0.010)
     steps.monitor.writing_started()
-    steps.run(5, 0.020)  # 2.0x
-    steps.run(4, 0.015)  # 1.5x: better, still over the limit
-    steps.run(4, 0.012)  # 1.2x: better again
-    assert steps.sent == ["slower", "slower", "slower"]
+    steps.run(5, 0.020)  # 2.0x: far over, twice
+    steps.run(4, 0.015)  # 1.5x: better, still far over
+    steps.run(4, 0.0115)  # 1.15x: better again, over the limit
+    assert steps.sent == ["slower"] * 5
 
 
 def test_a_slowdown_the_writer_does_not_cause_is_left_alone() -> None:
@@ -52,18 +61,18 @@ def test_a_slowdown_the_writer_does_not_cause_is_left_alone() -> None:
     steps.run(5, 0.020)  # 2.0x
     steps.run(4, 0.020)  # no better after "slower": not the writer's doing
     steps.run(12, 0.020)  # nothing more for this save
-    assert steps.sent == ["slower", "release"]
+    assert steps.sent == ["slower", "slower", "release"]
     steps.monitor.writing_finished()
     steps.monitor.writing_started()  # the next save is judged afresh
     steps.run(5, 0.020)
-    assert steps.sent == ["slower", "release", "slower"]
+    assert steps.sent == ["slower", "slower", "release", "slower", "slower"]
 
 
 def test_after_slowing_down_hold_then_faster() -> None:
     steps = Steps()
     steps.run(10, 0.010)
     steps.monitor.writing_started()
-    steps.run(5, 0.015)
+    steps.run(5, 0.0115)
     steps.run(4, 0.0105)  # in the band: keep the limit alive
     steps.run(4, 0.0100)  # back to the baseline: speed up
     assert steps.sent == ["slower", "hold", "faster"]
@@ -86,6 +95,25 @@ def test_no_decision_without_a_baseline() -> None:
     steps.monitor.writing_started()
     steps.run(10, 0.050)
     assert steps.sent == []
+
+
+def test_a_write_that_starts_while_training_goes_on_says_so() -> None:
+    steps = Steps()
+    steps.run(10, 0.010)
+    steps.now += 0.5  # the step in progress holds the async_save call (its copy)
+    assert steps.monitor.writing_started() is True  # the writer resumes its learned limit
+    steps.monitor.writing_finished()
+
+
+def test_a_write_after_a_pause_in_training_or_without_a_baseline_starts_at_full_speed() -> None:
+    steps = Steps()
+    steps.run(10, 0.010)
+    steps.now += QUIET_SECONDS + 0.1  # nobody trained for a while (evaluation, the end of the run)
+    assert steps.monitor.writing_started() is False
+    steps.monitor.writing_finished()
+    fresh = Steps()
+    fresh.run(2, 0.010)  # too few steps to say training goes on
+    assert fresh.monitor.writing_started() is False
 
 
 def test_release_is_sent_as_is() -> None:

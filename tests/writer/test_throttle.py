@@ -99,6 +99,37 @@ def test_release_reset_and_silence_lift_the_limit() -> None:
     assert throttle.rate is None
 
 
+def test_a_write_that_resumes_starts_at_the_learned_limit() -> None:
+    fake = FakeTime()
+    throttle = _measured(fake)
+    throttle.adjust("slower")
+    throttle.adjust("faster")  # 300 MiB/s: the limit this write ended with
+    throttle.reset(resume=True)  # the next write, training goes on
+    assert throttle.rate == pytest.approx(300 * MIB)
+    assert throttle.consume(30 * MIB) == pytest.approx(0.1)  # held back from its first chunk
+    throttle.reset()  # a write while nobody trains: full speed
+    assert throttle.rate is None
+    throttle.adjust("release")  # wait(): lifts the limit, remembers it
+    throttle.reset(resume=True)
+    assert throttle.rate == pytest.approx(300 * MIB)
+    fake.now += QUIET_SECONDS + 0.1  # silence lifts the limit, remembers it too
+    assert throttle.consume(64 * MIB) == 0.0
+    throttle.reset(resume=True)
+    assert throttle.rate == pytest.approx(300 * MIB)
+
+
+def test_a_lifted_limit_leaves_nothing_to_resume() -> None:
+    fake = FakeTime()
+    throttle = _measured(fake)
+    throttle.adjust("slower")
+    for _ in range(4):
+        throttle.adjust("faster")  # 300, 450, 675 MiB/s, then past 2 x 400: lifted
+    assert throttle.rate is None and throttle.learned_rate is None
+    throttle.reset(resume=True)
+    assert throttle.rate is None
+    assert WriteThrottle(fake.clock, fake.sleep).learned_rate is None  # nothing learned yet
+
+
 def test_a_stop_request_ends_the_wait_early() -> None:
     fake = FakeTime()
     throttle = _measured(fake)
