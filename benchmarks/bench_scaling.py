@@ -132,7 +132,18 @@ def run_one(kind: str, gib: float, count: int, repeats: int, parent_dir: str, se
 
 
 def run_child(kind: str, gib: float, count: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one configuration in a child process; a record with ``"timeout"`` if it took too long."""
+    """Run one configuration in a child process; a record with ``"timeout"`` if it took too long.
+
+    The child works in a directory made here and removed here, so that a child stopped at its
+    timeout (killed before its own clean-up) leaves nothing behind."""
+    workdir = tempfile.mkdtemp(prefix="ckptd-bench-scaling-", dir=args.dir)
+    try:
+        return _run_child_in(kind, gib, count, args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_child_in(kind: str, gib: float, count: int, args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     command = [
         sys.executable,
         os.path.abspath(__file__),
@@ -143,7 +154,7 @@ def run_child(kind: str, gib: float, count: int, args: argparse.Namespace) -> di
         "--repeats",
         str(args.repeats),
         "--dir",
-        args.dir,
+        workdir,
         "--settle",
         str(args.settle),
     ]
