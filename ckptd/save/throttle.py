@@ -10,14 +10,15 @@ median is more than twice as far over 1.0 as the limit, e.g. 1.2x for 1.10x), on
 ``relax`` (1.03x) lets it speed up again, and in between "hold" keeps the limit (only after a
 "slower": an unthrottled writer is told nothing).  A "slower" that did not make the next window
 at least 3% faster shows the writer is not what slows training (another process, the data
-loader): the limit is released and that save is left alone.  A throttled
-writer that hears nothing for a while (nobody trains) lifts the limit by itself.  The step that
-spans the start of a write (it holds the ``async_save`` call) is not counted.
+loader): the limit is released and that save is left alone.  A throttled writer that hears
+nothing for a while (nobody trains) lifts the limit by itself.  The step that spans the start of
+a write (it holds the ``async_save`` call) is not counted.
 
 The writer remembers the limit it was last given.  A save whose write starts while training goes
 on (a step began less than :data:`~ckptd.writer.throttle.QUIET_SECONDS` before) starts at that
-limit (:meth:`StepMonitor.writing_started` says so); any other starts at full speed.  ``wait()``
-and ``close()`` release the limit, since nobody trains while they wait.
+limit (:meth:`StepMonitor.writing_started` says so), and its steps are judged as after a
+"slower": "hold" keeps the limit alive, "faster" raises it.  Any other save starts at full
+speed.  ``wait()`` and ``close()`` release the limit, since nobody trains while they wait.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class StepMonitor:
         self._slowed = False  # "slower" was sent during the current write
         self._slowed_at: float | None = None  # the step-time ratio that made the last "slower"
         self._gave_up = False  # slowing down did not help this write: leave it alone
+        self._limited = False  # a "slower" was ever sent: the writer may have a limit to resume
         self.sent: deque[str] = deque(maxlen=256)  # the last actions sent, in order
         self._hook: Any = None
 
@@ -87,7 +89,9 @@ class StepMonitor:
                 last is not None and len(self._baseline) >= _MIN_BASELINE and self._clock() - last < QUIET_SECONDS
             )
             self._writing += 1
-            self._slowed = False
+            # A write that resumes the writer's limit is judged as a slowed one ("hold" keeps the
+            # limit alive: a writer that hears nothing lifts it).  Only a "slower" sets a limit.
+            self._slowed = training and self._limited
             self._slowed_at = None
             self._gave_up = False
             self._window.clear()
@@ -127,7 +131,7 @@ class StepMonitor:
                 # Steps more than twice as far over the limit's margin: halve the rate twice.
                 far = ratio - 1 > 2 * (self.limit - 1)
                 actions = ["slower", "slower"] if far else ["slower"]
-                self._slowed = True
+                self._slowed = self._limited = True
                 self._slowed_at = ratio
             elif ratio < self.relax and self._slowed:
                 actions = ["faster"]

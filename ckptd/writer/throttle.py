@@ -4,10 +4,10 @@ The trainer side (:mod:`ckptd.save.throttle`) watches training steps and sends `
 when steps during a write are measurably slower than without one, ``"faster"`` when they are
 not, ``"hold"`` in between, and ``"release"`` when nobody trains (``wait()``, ``close()``) or
 slowing down did not help (the writer is not what slows training); :data:`QUIET_SECONDS`
-without any notice releases the limit too.  The bucket turns those
-into a rate: ``slower`` halves the current rate (the measured unthrottled throughput at first,
-never below :data:`MIN_RATE`), ``faster`` raises it by half, and once it is above twice the
-unthrottled throughput the limit is lifted.
+without any notice releases the limit too.  The bucket turns those into a rate: ``slower``
+halves the current rate (the measured unthrottled throughput at first, never below
+:data:`MIN_RATE`), ``faster`` raises it by half, and once it is above twice the unthrottled
+throughput the limit is lifted.
 
 The limit that ``slower`` and ``faster`` last set is remembered (:attr:`WriteThrottle.learned_rate`;
 ``release`` and silence lift the limit but keep it; ``faster`` past the lifting point drops it).
@@ -15,8 +15,8 @@ A write request starts at full speed, unless the trainer says it is training (``
 it starts at the remembered limit, so that the next save does not first slow training down for
 the several steps the trainer needs to measure it again (on the 2-core VM of docs/benchmarks.md
 a 1 GiB save is written in about 2 s, about as long as the trainer takes to halve the rate
-twice).  A limit that no longer hurts is raised by the ``faster`` notices of the saves that
-start at it.  Torch-free.
+twice).  The trainer judges such a write as one it slowed: ``hold`` keeps the limit alive,
+``faster`` raises it when it no longer hurts.  Torch-free.
 """
 
 from __future__ import annotations

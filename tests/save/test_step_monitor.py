@@ -100,8 +100,15 @@ def test_no_decision_without_a_baseline() -> None:
 def test_a_write_that_starts_while_training_goes_on_says_so() -> None:
     steps = Steps()
     steps.run(10, 0.010)
+    steps.monitor.writing_started()
+    steps.run(5, 0.0115)  # the writer learns a limit
+    steps.monitor.writing_finished()
+    steps.run(10, 0.010)
     steps.now += 0.5  # the step in progress holds the async_save call (its copy)
     assert steps.monitor.writing_started() is True  # the writer resumes its learned limit
+    steps.run(5, 0.0105)  # in the band: the resumed limit is kept alive, as after a "slower"
+    steps.run(4, 0.0100)  # back to the baseline: raise it
+    assert steps.sent == ["slower", "hold", "faster"]
     steps.monitor.writing_finished()
 
 
