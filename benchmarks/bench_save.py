@@ -16,8 +16,8 @@ step) of about ``--gib`` GiB and measures, in one run:
   ``torch.empty_like`` tensors, and ``safetensors.torch.save_file`` + ``fsync`` of the flat state;
 * ckptd ``Checkpointer.async_save``: blocking time and time until the commit, first save
   (constructor, writer start, arena allocation) separately from warm saves (ckptd's modules are
-  imported first, by a throwaway ``Checkpointer``, so every run's first save pays the same); then the same with
-  ``async_save(staging="pipelined")`` (``ckptd[pipelined]``: the writer starts during the copy;
+  imported first, by a throwaway ``Checkpointer``, so every run's first save pays the same);
+  then the same with ``async_save(staging="pipelined")`` (``ckptd[pipelined]``: the writer starts during the copy;
   the default starts it after), with ``ckpt.prepare(state)`` called after the constructor
   (``ckptd[prepare]``, its time counted in the first save) and with
   ``async_save(staging="background")`` (``ckptd[background]``), unless ``--skip-variants``;
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -833,40 +834,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         floors = timed_phase("floors: allocating and warming up", lambda: Floors(state, bench_dir, args.settle))
         print(warm_up_ckptd(bench_dir), flush=True)
+        # Every ckptd run: the same state, floors and settle; they differ in label and options.
+        save_run = functools.partial(bench_ckptd, state, bench_dir, args.repeats, floors=floors, settle=args.settle)
         variants: dict[str, tuple[str, Callable[[], SaveRun]]] = {
-            "defaults": (
-                "ckptd async_save",
-                lambda: bench_ckptd(state, bench_dir, args.repeats, floors=floors, settle=args.settle),
-            ),
+            "defaults": ("ckptd async_save", save_run),
             "pipelined": (
                 'ckptd async_save(staging="pipelined")',
-                lambda: bench_ckptd(
-                    state,
-                    bench_dir,
-                    args.repeats,
-                    "ckptd[pipelined]",
-                    staging="pipelined",
-                    floors=floors,
-                    settle=args.settle,
-                ),
+                lambda: save_run("ckptd[pipelined]", staging="pipelined"),
             ),
-            "prepare": (
-                "ckptd async_save after ckpt.prepare(state)",
-                lambda: bench_ckptd(
-                    state, bench_dir, args.repeats, "ckptd[prepare]", prepare=True, floors=floors, settle=args.settle
-                ),
-            ),
+            "prepare": ("ckptd async_save after ckpt.prepare(state)", lambda: save_run("ckptd[prepare]", prepare=True)),
             "background": (
                 'ckptd async_save(staging="background")',
-                lambda: bench_ckptd(
-                    state,
-                    bench_dir,
-                    args.repeats,
-                    "ckptd[background]",
-                    staging="background",
-                    floors=floors,
-                    settle=args.settle,
-                ),
+                lambda: save_run("ckptd[background]", staging="background"),
             ),
         }
         order = ["defaults"] if args.skip_variants else args.variants
