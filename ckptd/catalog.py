@@ -409,7 +409,7 @@ def find_leftovers(storage: Storage, root: str) -> list[Leftover]:
         else:
             continue
         owner = hidden.group("pid") if hidden else None
-        active = bool(owner and hidden.group("host") == host and _pid_alive(int(owner)))
+        active = bool(hidden and owner and hidden.group("host") == host and _pid_alive(int(owner)))
         nbytes, files = _tree_size(storage, path)
         # Local disks: gc removes hidden leftovers once their owner is gone; object stores:
         # unfinished prefixes.  A visible manifest-less directory on disk is left to people.

@@ -197,7 +197,7 @@ class CheckpointerOptions:
             raise ConfigError(f"incremental must be False, True or 'hash', got {self.incremental!r}")
         if self.key_layout not in KEY_LAYOUTS:
             raise ConfigError(f"key_layout must be one of {', '.join(map(repr, KEY_LAYOUTS))}, got {self.key_layout!r}")
-        if self.part_size < MIN_PART_SIZE:
+        if self.part_bytes < MIN_PART_SIZE:
             raise ConfigError(f"part_size must be at least 5 MiB (the S3 minimum), got {self.part_size}")
         if self.part_concurrency < 1 or self.retry_attempts < 1:
             raise ConfigError("part_concurrency and retry_attempts must be >= 1")
@@ -211,6 +211,21 @@ class CheckpointerOptions:
             raise ConfigError(f"writer_ionice must be 0..7 or None, got {self.writer_ionice}")
         if self.dist_timeout <= 0 or self.writer_start_timeout <= 0:
             raise ConfigError("dist_timeout and writer_start_timeout must be positive")
+
+    @property
+    def shard_bytes(self) -> int:
+        """``max_shard_size`` in bytes (the size fields hold ints once the options are built)."""
+        return int(self.max_shard_size)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """``chunk_size`` in bytes."""
+        return int(self.chunk_size)
+
+    @property
+    def part_bytes(self) -> int:
+        """``part_size`` in bytes."""
+        return int(self.part_size)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> CheckpointerOptions:

@@ -247,7 +247,8 @@ def _dcp_to_ckptd(args: argparse.Namespace, context: Context) -> Result:
         )
     started = time.perf_counter()
     state = load_dcp(args.source)
-    step = args.step if args.step is not None else state.get("step") if isinstance(state.get("step"), int) else 0
+    stored_step = state.get("step")
+    step: int = args.step if args.step is not None else stored_step if isinstance(stored_step, int) else 0
     parent, base = os.path.split(destination.final)
     scratch = os.path.join(parent, f".{base}.convert-{secrets.token_hex(4)}")
     try:

@@ -113,7 +113,7 @@ class SaveStrategy(AsyncSaveShardedStrategy):
         _ensure_registered()
         directory = os.path.join(os.path.abspath(os.fspath(checkpoint_dir)), CKPTD_SUBDIR)
         converted = map_leaves(sharded_state_dict, lambda leaf: _to_ckptd(leaf, loading=False))
-        leaves = []
+        leaves: list[Any] = []
         map_leaves(converted, leaves.append)
         pending = start_save(directory, leaves, None, {"megatron": True, "megatron_strategy": True})
         logger.debug("rank save of %d sharded values into %s started", len(leaves), directory)

@@ -435,10 +435,12 @@ def load_and_shard_model(
         load_state_dict_to_shards(model_shard, full)
         del full
         model_shard.to(runtime.device)
-    if tied and (has_first or has_last) and hasattr(model_shard, "tie_weights"):
-        model_shard.tie_weights()  # assign=True severed the tie
-    if tied and has_last and not has_first and hasattr(model_shard, "get_input_embeddings"):
-        model_shard.get_input_embeddings()._parameters.pop("weight", None)  # kept only to tie lm_head
+    tie_weights = getattr(model_shard, "tie_weights", None)  # transformers' PreTrainedModel methods
+    input_embeddings = getattr(model_shard, "get_input_embeddings", None)
+    if tied and (has_first or has_last) and callable(tie_weights):
+        tie_weights()  # assign=True severed the tie
+    if tied and has_last and not has_first and callable(input_embeddings):
+        input_embeddings()._parameters.pop("weight", None)  # kept only to tie lm_head
     model_shard.type(runtime.dtype)
     on_meta = [name for name, value in model_shard.named_parameters() if value.device.type == "meta"]
     if on_meta:

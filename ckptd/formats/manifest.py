@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from json.encoder import encode_basestring as _json_string  # type: ignore[attr-defined]
+from json.encoder import encode_basestring as _json_string  # type: ignore[attr-defined,unused-ignore]
 from typing import Any
 
 from ..errors import CkptdError, CorruptCheckpointError, UnsupportedValueError

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Callable, Mapping
-from json.encoder import encode_basestring as _json_string  # type: ignore[attr-defined]
+from json.encoder import encode_basestring as _json_string  # type: ignore[attr-defined,unused-ignore]
 from typing import Any
 
 __all__ = ["canonical_text", "indented_text"]

@@ -14,7 +14,7 @@ import math
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from json.encoder import encode_basestring as _json_string  # type: ignore[attr-defined]
+from json.encoder import encode_basestring as _json_string  # type: ignore[attr-defined,unused-ignore]
 from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedValueError

@@ -145,14 +145,15 @@ class CkptdCheckpointManager(BaseCheckpointManager):
     def _load(self, step: int = -1) -> bool:
         step = self.config.load_step if step == -1 else step
         if step == -1:
-            step = self._manager.latest()
-            if step is None:
+            latest = self._manager.latest()
+            if latest is None:
                 if self.config.initial_load_path:
                     raise ConfigError(
                         f"initial_load_path {self.config.initial_load_path!r}: the ckptd manager loads only ckptd "
                         "checkpoints; convert it with torchtitan's own CheckpointManager first"
                     )
                 return False
+            step = latest
         saved = set(self._manager.checkpointer.manifest(step).components)
         excluded = set(self.config.exclude_from_loading)
         into = {k: v for k, v in self.states.items() if k not in excluded and k in saved}

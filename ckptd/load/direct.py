@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno as errno_codes
+import functools
 import logging
 import mmap
 import os
@@ -399,8 +400,8 @@ def read_local(
             if cold and not file.open_direct():
                 cached = sorted(cached + cold, key=lambda r: r[0])
                 cold = []
-            tasks.extend(lambda f=file, b=batch: _read_cached(f, b) for batch in _batches(cached))
-            tasks.extend(lambda f=file, r=run: _read_direct(f, r) for run in _runs(cold))
+            tasks.extend(functools.partial(_read_cached, file, batch) for batch in _batches(cached))
+            tasks.extend(functools.partial(_read_direct, file, run) for run in _runs(cold))
         run_tasks(tasks)
     finally:
         for file in files:

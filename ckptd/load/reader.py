@@ -16,6 +16,7 @@ they share belong to one class; fetching bytes (:mod:`.fetch`), DCP (:mod:`.dcp`
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -386,7 +387,7 @@ class CheckpointReader:
         names = [n for n in (self.manifest.files if files is None else dict.fromkeys(files)) if n not in self._verified]
         records = [self.manifest.files[name] for name in names]
         pairs = zip(names, records, strict=True)
-        values = file_crcs([(lambda n=name: self._open(n), record.size) for name, record in pairs])
+        values = file_crcs([(functools.partial(self._open, name), record.size) for name, record in pairs])
         for name, record, value in zip(names, records, values, strict=True):
             if format_crc(value) != record.crc32c:
                 raise CorruptCheckpointError(

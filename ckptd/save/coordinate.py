@@ -37,7 +37,7 @@ class Round:
     """One save's completion, as the coordinator sees it."""
 
     key: str  # unique per save (the coordinator's token): names its store keys
-    step: int
+    step: int | None  # None: a save to a path of the caller's choosing (no step number)
     opened: float  # time.monotonic() when completion began; deadlines count from here
 
 

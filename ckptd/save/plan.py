@@ -30,7 +30,7 @@ import math
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from ..dist.sharding import Box, ChunkInfo, validate_sharding
 from ..errors import ConfigError, ShardingError
@@ -210,7 +210,11 @@ class _Gathered(NamedTuple):
 # one stored chunk of it (or None)).  Plain tuples: there is one per tensor.
 _Writers = tuple[tuple[int, int, int, LocalTensor], ...]
 _Entry = tuple[str, str, tuple[int, ...], int, int, int, "LocalTensor | None", "_Writers | None", int, "str | None"]
-_NBYTES, _ITEMSIZE, _WRITER, _INDEX, _CHUNK_OF = 3, 4, 5, 8, 9
+_NBYTES: Final = 3
+_ITEMSIZE: Final = 4
+_WRITER: Final = 5
+_INDEX: Final = 8
+_CHUNK_OF: Final = 9
 
 # A rank's parts of one file: (file size, [(file offset, byte count, header bytes or the local
 # tensor whose bytes go there)]).
@@ -515,7 +519,7 @@ def _plan_file(
         if chunk_of[i] is None:
             records[indices[i]] = whole_record(dtypes[i], shapes[i], file_name, start, start + nbytes)
         else:
-            chunk = ChunkRecord(file_name, start, start + nbytes, piece.offset, piece.shape)  # type: ignore[union-attr]
+            chunk = ChunkRecord(file_name, start, start + nbytes, piece.offset, piece.shape)
             chunk_records.setdefault(indices[i], []).append(chunk)
     for rank, parts in enumerate(file_parts):
         if parts is not None:

@@ -20,6 +20,7 @@ record per rank, not with world size x tensors.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 from ..formats.manifest import TensorRecord
@@ -63,11 +64,13 @@ def plan_unique(
     pieces_by_rank: list[list[Piece]] = [[] for _ in range(world)]
     files: list[FilePlan] = []
     tensors: dict[str, dict[str, TensorRecord]] = {}
-    options = {"shared_files": shared_files, "separate_frozen": separate_frozen, "key_layout": key_layout}
+    plan_files = functools.partial(
+        plan_save, shared_files=shared_files, separate_frozen=separate_frozen, key_layout=key_layout
+    )
     if classes:
         keys = list(classes)
         virtual = [[t for _, digest in key for t in descriptions[digest]] for key in keys]
-        plan = plan_save(virtual, max_shard_size, **options)
+        plan = plan_files(virtual, max_shard_size)
         files.extend(plan.files)
         tensors.update(plan.tensors)
         sizes = {f.file_name: f.size for f in plan.files}
@@ -77,7 +80,7 @@ def plan_unique(
             for member, share in zip(members, shares, strict=True):
                 pieces_by_rank[member].extend(share)
     if solo_ranks:
-        plan = plan_save(solo_locals, max_shard_size, **options)
+        plan = plan_files(solo_locals, max_shard_size)
         files.extend(plan.files)
         tensors.update(plan.tensors)
         for rank, rank_plan in zip(solo_ranks, plan.ranks, strict=True):

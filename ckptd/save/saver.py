@@ -150,7 +150,7 @@ class Saver:
         self.exchange: Exchange | None = None
         if dist is not None:
             book = PlanBook(
-                options.max_shard_size,
+                options.shard_bytes,
                 shared_files=storage.local,
                 separate_frozen=bool(options.incremental),
                 key_layout=options.key_layout,
@@ -324,12 +324,12 @@ class Saver:
     def _plan_for(self, locals_: Sequence[Any]) -> SavePlan:
         separate = bool(self.options.incremental)
         # plan_save's own signature (key_layout is fixed for the Saver's life, so it is not part of it)
-        signature = (self.options.max_shard_size, self.storage.local, separate, ((tuple(locals_)),))
+        signature = (self.options.shard_bytes, self.storage.local, separate, ((tuple(locals_)),))
         if self._plan is not None and self._plan.signature == signature:
             return self._plan
         self._plan = plan_save(
             [locals_],
-            self.options.max_shard_size,
+            self.options.shard_bytes,
             shared_files=self.storage.local,
             separate_frozen=separate,
             key_layout=self.options.key_layout,
@@ -394,6 +394,7 @@ class Saver:
             claim_step(self.storage, job.request.path, overwrite=job.overwrite)
         job.progress.owns_destination = True
         self.storage.makedirs(job.staging)
+        assert job.plan is not None, "only the coordinator prepares the destination"
         for subdirectory in sorted({f.file_name.rpartition("/")[0] for f in job.plan.files} - {""}):
             self.storage.makedirs(self.storage.join(job.staging, subdirectory))  # key_layout="spread"
 
@@ -477,7 +478,7 @@ class Saver:
                 "files": files,
                 "storage_options": self.options.storage_options,
                 "fsync": self.options.fsync,
-                "chunk_size": self.options.chunk_size,
+                "chunk_size": self.options.chunk_bytes,
                 "threads": self.options.write_threads,
                 "abandon_directory": job.staging,
                 "tuning": self._tuning,
