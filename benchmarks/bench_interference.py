@@ -13,17 +13,28 @@ these step shapes (``--shapes``, default both):
 
 The checkpointed state is the same for every shape: the transformer-shaped state of
 ``bench_save.py`` (about ``--gib`` GiB), not the model being trained; only the training work
-differs. For each step shape and saver, the script repeats ``--repeats`` times:
+differs. For each step shape the script runs ``--repeats`` rounds; in each round every saver
+in turn (the order rotates from round to round, so a drift of the machine's speed reaches all
+savers alike) does:
 
 1. ``--baseline-steps`` steps with no save running (the baseline of that saver and shape);
 2. start one save of the state and run steps until the save is done.
 
 The savers, each with one untimed warm-up save first (arena allocation, process start):
 
+* the **interference floor** (``--skip-write-floor`` leaves it out): ``raw_writer.py``, a process
+  of its own at ckptd's writer niceness, writes the state's bytes as the write floor of
+  ``floors.py`` does (``O_DIRECT`` 16 MiB ``pwrite`` calls from one filled page-aligned buffer,
+  then ``fsync``): no staging, no checksum, no format.  Whatever it slows steps by is the cost of
+  the I/O itself on this machine; a saver's slowdown beyond it is the saver's own;
 * ckptd ``async_save`` with default settings (blocking staging, so the bytes are in the staging
   arena when the call returns and the writer process writes them while the loop runs);
+* with ``--throttle``, ckptd with its adaptive throttle (``Checkpointer(throttle=True)``; its
+  step monitor keeps the last 16 step times as its baseline, so the other savers' rounds are
+  out of it by the time its own save starts);
 * DCP ``async_save`` in process mode with a reused shared-memory ``DefaultStager`` (staging is
-  synchronous, as in ``bench_save.py``); steps run while its upload future is not done.
+  synchronous, as in ``bench_save.py``); steps run while its upload future is not done.  Its
+  rounds run after the others' (its checkpoint process and process group are set up once).
 
 Reported per saver and step shape: median step time with no save, median step time while the
 save is written, their ratio (the target is <= 1.10x), and the training time lost per save (the
@@ -45,10 +56,12 @@ import os
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -231,49 +244,66 @@ class Interference:
         return (sum(self.during) - len(self.during) * self.baseline_median) / len(self.saves)
 
 
-def measure_interference(
-    label: str,
-    loop: StepLoop,
-    start_save: Callable[[int], Pending],
-    finish_save: Callable[[int, Any], None],
-    repeats: int,
-    baseline_steps: int,
-) -> Interference:
-    """``repeats`` rounds of: baseline steps, then one save with steps run until it is done.
+@dataclass
+class Saver:
+    """One saver under test: ``start(i)`` starts save ``i`` and returns its future,
+    ``finish(i, result)`` cleans up after it (untimed); ``on_step`` is what the matmul loops call
+    at each step while this saver's round runs (ckptd's ``mark_step``, for its throttle)."""
 
-    ``start_save(i)`` starts save ``i`` and returns its future; ``finish_save(i, result)`` cleans
-    up after it (untimed).
-    """
-    measured = Interference(label, shape=dict(loop.shape))
-    for i in range(repeats):
+    label: str
+    start: Callable[[int], Pending]
+    finish: Callable[[int, Any], None]
+    note: str = ""
+    on_step: Callable[[], None] | None = None
+
+
+def measure_one_save(measured: Interference, loop: StepLoop, saver: Saver, i: int, baseline_steps: int) -> None:
+    """Baseline steps with no save, then save ``i`` with steps run until it is done."""
+    if isinstance(loop, MatmulLoop):
+        loop.on_step = saver.on_step
+    try:
         measured.baseline += [loop.step() for _ in range(baseline_steps)]
         started = time.perf_counter()
-        pending = start_save(i)
+        pending = saver.start(i)
         blocking = time.perf_counter() - started
         steps: list[float] = []
         while not pending.done():
             steps.append(loop.step())
         seconds = time.perf_counter() - started
         result = pending.result()
-        measured.during += steps
-        summary: dict[str, Any] = {
-            "blocking": blocking,
-            "seconds_to_done": seconds,
-            "steps": len(steps),
-            "median_step": statistics.median(steps) if steps else None,
-        }
-        timings = getattr(pending, "timings", None)
-        if timings:
-            summary["timings"] = dict(timings)
-        measured.saves.append(summary)
-        median = f"{summary['median_step'] * 1e3:.1f} ms" if steps else "-"
-        print(
-            f"  {label} save {i}: blocking {blocking:.3f} s, done after {seconds:.3f} s, "
-            f"{len(steps)} steps during it (median {median}); "
-            f"baseline median so far {measured.baseline_median * 1e3:.1f} ms",
-            flush=True,
-        )
-        finish_save(i, result)
+    finally:
+        if isinstance(loop, MatmulLoop):
+            loop.on_step = None
+    measured.during += steps
+    summary: dict[str, Any] = {
+        "blocking": blocking,
+        "seconds_to_done": seconds,
+        "steps": len(steps),
+        "median_step": statistics.median(steps) if steps else None,
+    }
+    timings = getattr(pending, "timings", None)
+    if timings:
+        summary["timings"] = dict(timings)
+    measured.saves.append(summary)
+    median = f"{summary['median_step'] * 1e3:.1f} ms" if steps else "-"
+    print(
+        f"  {saver.label} save {i}: blocking {blocking:.3f} s, done after {seconds:.3f} s, "
+        f"{len(steps)} steps during it (median {median}); "
+        f"baseline median so far {measured.baseline_median * 1e3:.1f} ms",
+        flush=True,
+    )
+    saver.finish(i, result)
+
+
+def measure_interleaved(loop: StepLoop, savers: list[Saver], repeats: int, baseline_steps: int) -> list[Interference]:
+    """``repeats`` rounds; in each, every saver in turn runs baseline steps and then one save
+    (the order rotates from round to round), so that a drift of this machine's speed reaches
+    every saver alike instead of the one that happened to run last."""
+    measured = [Interference(s.label, note=s.note, shape=dict(loop.shape)) for s in savers]
+    for i in range(repeats):
+        shift = i % len(savers)
+        for k in [*range(shift, len(savers)), *range(shift)]:
+            measure_one_save(measured[k], loop, savers[k], i, baseline_steps)
     free_memory()
     return measured
 
@@ -281,49 +311,102 @@ def measure_interference(
 # ---- savers --------------------------------------------------------------------------------
 
 
-def bench_ckptd(
-    label: str,
-    loop: StepLoop,
-    state: State,
-    bench_dir: str,
-    repeats: int,
-    baseline_steps: int,
-    **options: Any,
-) -> Interference:
-    """ckptd ``async_save`` (default blocking staging); ``options`` go to the Checkpointer."""
+def ckptd_saver(stack: ExitStack, label: str, state: State, bench_dir: str, **options: Any) -> Saver:
+    """ckptd ``async_save`` (default blocking staging) of a Checkpointer that ``stack`` closes;
+    ``options`` go to the Checkpointer.  One untimed save first (arena allocation, writer start)."""
     import ckptd
 
     root = os.path.join(bench_dir, label.replace("=", "").replace(" ", "-").replace(",", ""))
-    with ckptd.Checkpointer(root, **options) as ckpt:
-        warm_up = ckpt.save(0, state)  # first save: arena allocation, writer start
-        shutil.rmtree(warm_up.path)
-        if isinstance(loop, MatmulLoop):
-            loop.on_step = ckpt.mark_step  # the transformer's AdamW steps are timed by ckptd's hook
+    ckpt = stack.enter_context(ckptd.Checkpointer(root, **options))
+    shutil.rmtree(ckpt.save(0, state).path)
 
-        def start(i: int) -> Pending:
-            return ckpt.async_save(i + 1, state)
+    def start(i: int) -> Pending:
+        return ckpt.async_save(i + 1, state)
 
-        def finish(i: int, result: Any) -> None:
-            shutil.rmtree(result.path)
+    def finish(i: int, result: Any) -> None:
+        shutil.rmtree(result.path)
 
-        try:
-            measured = measure_interference(label, loop, start, finish, repeats, baseline_steps)
-        finally:
-            if isinstance(loop, MatmulLoop):
-                loop.on_step = None
-    measured.note = f"Checkpointer({', '.join(f'{k}={v!r}' for k, v in options.items()) or 'defaults'})"
-    return measured
+    note = f"Checkpointer({', '.join(f'{k}={v!r}' for k, v in options.items()) or 'defaults'})"
+    # The matmul loops tell the throttle where steps begin; the transformer's AdamW steps are
+    # timed by ckptd's optimizer hook.
+    return Saver(label, start, finish, note, on_step=ckpt.mark_step)
 
 
-def bench_dcp(loop: StepLoop, state: State, bench_dir: str, repeats: int, baseline_steps: int) -> Interference:
-    """DCP ``async_save`` in process mode with a reused shared-memory stager."""
+class RawWrite:
+    """One write of ``raw_writer.py`` in its own process, started by a line on its stdin."""
+
+    def __init__(self, nbytes: int, path: str, nice: int) -> None:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "raw_writer.py")
+        command = [sys.executable, script, "--bytes", str(nbytes), "--path", path, "--nice", str(nice)]
+        self.path = path
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self._line() != "ready":  # the buffer is filled: from here on the process only writes
+            self.close()
+            raise RuntimeError(f"raw_writer.py did not start (exit code {self.process.returncode})")
+
+    def _line(self) -> str:
+        assert self.process.stdout is not None
+        return self.process.stdout.readline().strip()
+
+    def start(self) -> RawWrite:
+        assert self.process.stdin is not None
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+        return self
+
+    def done(self) -> bool:
+        return self.process.poll() is not None
+
+    def result(self, timeout: float | None = None) -> float:
+        """Seconds the write took, as the writer measured it."""
+        line = self._line()
+        if self.process.wait(timeout) != 0 or not line:
+            raise RuntimeError(f"raw_writer.py failed (exit code {self.process.returncode})")
+        return float(line)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                stream.close()
+        if os.path.exists(self.path):
+            os.remove(self.path)
+
+
+def write_floor_saver(stack: ExitStack, nbytes: int, bench_dir: str, nice: int = 10) -> Saver:
+    """The interference floor: ``raw_writer.py`` writes ``nbytes`` as the write floor does
+    (``O_DIRECT`` + ``fsync``; no staging, no checksum, no format) at ckptd's writer niceness.
+    The process of the next write is started, and its buffer filled, when a write is cleaned up."""
+    path = os.path.join(bench_dir, "raw-writer.bin")
+    writes = [RawWrite(nbytes, path, nice)]
+    stack.callback(lambda: writes[-1].close())
+
+    def start(i: int) -> Pending:
+        return writes[-1].start()
+
+    def finish(i: int, result: Any) -> None:
+        writes[-1].close()
+        writes.append(RawWrite(nbytes, path, nice))
+
+    note = f"raw_writer.py: the write floor's O_DIRECT 16 MiB pwrites + fsync in its own process, nice {nice}"
+    return Saver("write floor", start, finish, note)
+
+
+def dcp_saver(stack: ExitStack, state: State, bench_dir: str, repeats: int) -> Saver:
+    """DCP ``async_save`` in process mode with a reused shared-memory stager (one untimed save
+    first: it spawns the checkpoint process and faults the stager in)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    created_group = init_single_rank_group()
+    if init_single_rank_group():
+        stack.callback(dist.destroy_process_group)
+    stack.callback(stop_dcp_process)
     stager = DefaultStager(dcp_staging_options())
+    stack.callback(stager.close)
 
     def start(i: int) -> Pending:
         response = dcp.async_save(
@@ -338,17 +421,10 @@ def bench_dcp(loop: StepLoop, state: State, bench_dir: str, repeats: int, baseli
     def finish(i: int, result: Any) -> None:
         shutil.rmtree(os.path.join(bench_dir, "dcp", f"step-{i}"))
 
-    try:
-        start(repeats).result()  # warm-up: spawns the checkpoint process, faults the stager in
-        finish(repeats, None)
-        measured = measure_interference("DCP async_save (process)", loop, start, finish, repeats, baseline_steps)
-    finally:
-        stager.close()
-        stop_dcp_process()
-        if created_group:
-            dist.destroy_process_group()
-    measured.note = "dcp.async_save(async_checkpointer_type=PROCESS, DefaultStager(shared memory)), no_dist=True"
-    return measured
+    start(repeats).result()
+    finish(repeats, None)
+    note = "dcp.async_save(async_checkpointer_type=PROCESS, DefaultStager(shared memory)), no_dist=True"
+    return Saver("DCP async_save (process)", start, finish, note)
 
 
 # ---- report --------------------------------------------------------------------------------
@@ -404,6 +480,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also measure ckptd with its adaptive I/O throttle (Checkpointer(throttle=True)), one row per shape",
     )
     parser.add_argument("--skip-dcp", action="store_true", help="do not benchmark torch.distributed.checkpoint")
+    parser.add_argument(
+        "--skip-write-floor",
+        action="store_true",
+        help="do not measure the interference floor (raw_writer.py writing the same bytes)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write all samples as JSON")
     args = parser.parse_args(argv)
     if args.gib <= 0 or args.repeats < 1 or min(args.step_ms) <= 0 or args.baseline_steps < 1:
@@ -437,25 +518,33 @@ def main(argv: list[str] | None = None) -> int:
         total = state_bytes(state)
         count = sum(1 for _ in iter_tensors(state))
         print(f"state: {total / GIB:.3f} GiB, {count} tensors")
-        results = []
+        results: list[Interference] = []
         for loop in make_loops(args):
             shape = loop.label
             print(f"step: {shape}: {loop.describe()}, torch threads {torch.get_num_threads()}")
-            common = (loop, state, bench_dir, args.repeats, args.baseline_steps)
-            results.append(
-                timed_phase(f"ckptd, defaults, {shape}", lambda c=common, s=shape: bench_ckptd(f"ckptd, {s}", *c))
-            )
-            if args.throttle:
-                results.append(
-                    timed_phase(
-                        f"ckptd, throttle=True, {shape}",
-                        lambda c=common, s=shape: bench_ckptd(f"ckptd throttle=True, {s}", *c, throttle=True),
-                    )
+            with ExitStack() as stack:
+                savers = []
+                if not args.skip_write_floor:
+                    savers.append(write_floor_saver(stack, total, bench_dir))
+                savers.append(ckptd_saver(stack, "ckptd", state, bench_dir))
+                if args.throttle:
+                    savers.append(ckptd_saver(stack, "ckptd throttle=True", state, bench_dir, throttle=True))
+                names = ", ".join(s.label for s in savers)
+                measured = timed_phase(
+                    f"{names}, interleaved, {shape}",
+                    lambda lp=loop, sv=savers: measure_interleaved(lp, sv, args.repeats, args.baseline_steps),
                 )
             if not args.skip_dcp:
-                results.append(timed_phase(f"DCP async_save, process mode, {shape}", lambda c=common: bench_dcp(*c)))
-                results[-1].label += f", {shape}"
-            del loop, common
+                with ExitStack() as stack:
+                    dcp = [dcp_saver(stack, state, bench_dir, args.repeats)]
+                    measured += timed_phase(
+                        f"DCP async_save, process mode, {shape}",
+                        lambda lp=loop, sv=dcp: measure_interleaved(lp, sv, args.repeats, args.baseline_steps),
+                    )
+            for result in measured:
+                result.label += f", {shape}"
+            results += measured
+            del loop
             free_memory()
         print(f"\n== results: {total / GIB:.3f} GiB state, {args.repeats} saves per saver")
         for r in results:
