@@ -249,8 +249,7 @@ class Checkpointer:
                 metadata=metadata,
                 metrics=metrics,
                 started=started,
-                background=mode == "background",
-                pipelined=mode != "blocking",
+                staging_mode=mode,
                 frozen=frozen,
             )
         with self._pending_lock:

@@ -111,8 +111,13 @@ class SaveJob:
     metrics: dict[str, Any]
     overwrite: bool
     started: float
-    pipelined: bool = True  # the writer may start before the copy is over
+    staging_mode: str = "blocking"  # one of options.STAGING_MODES, as async_save was given it
     progress: _Progress = field(default_factory=_Progress)
+
+    @property
+    def pipelined(self) -> bool:
+        """The writer may start before the copy is over (``"pipelined"`` and ``"background"``)."""
+        return self.staging_mode != "blocking"
 
 
 class Saver:
@@ -187,16 +192,16 @@ class Saver:
         metadata: Mapping[str, Any] | None,
         metrics: Mapping[str, Any] | None,
         started: float,
-        background: bool = False,
-        pipelined: bool = True,
+        staging_mode: str = "blocking",
         frozen: Mapping[str, Iterable[str]] | None = None,
     ) -> SaveJob:
         """Describe, gather, plan and stage; returns the job for :meth:`complete`.
 
-        The copy runs on the staging thread (CUDA copies on a side stream).  With ``background``
-        the next optimizer step waits for it; otherwise the caller queues the job and then waits
-        in :meth:`finish_staging`.  ``pipelined``: the writer starts on the first chunks while
-        the copy goes on; otherwise it starts once the copy is over.
+        The copy runs on the staging thread (CUDA copies on a side stream).  ``staging_mode``
+        (one of ``STAGING_MODES``, checked by the caller): with ``"background"`` the next
+        optimizer step waits for the copy; otherwise the caller queues the job and then waits in
+        :meth:`finish_staging`.  With ``"pipelined"`` and ``"background"`` the writer starts on
+        the first chunks while the copy goes on; with ``"blocking"`` once the copy is over.
         """
         flats: list[FlatComponent] = []
 
@@ -241,7 +246,7 @@ class Saver:
         request.timings.update(plan=planned_at - started, wait=waited, stage=done - staged_at, blocking=done - started)
         if handle is None or handle.done.is_set():
             request.staged.set()
-        elif background:
+        elif staging_mode == "background":
             self.guard.add(handle)
             self._stager.submit(_mark_staged, handle, request)
         return SaveJob(
@@ -258,7 +263,7 @@ class Saver:
             metrics=dict(metrics or {}),
             overwrite=overwrite,
             started=started,
-            pipelined=pipelined,
+            staging_mode=staging_mode,
             progress=_Progress(staged_at=staged_at),
         )
 
