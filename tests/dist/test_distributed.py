@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import time
 
@@ -108,6 +109,41 @@ def test_sharded_save_loads_at_another_world_size_reading_only_overlaps(tmp_path
     assert "file" in tensors["rows"], "dim-0 pieces are written into one whole tensor"
     assert len(tensors["cols"]["chunks"]) == save_world
     ckptd.CheckpointReader.open(path).verify()
+
+
+# ---- spread key layout over several ranks ------------------------------------------------------
+
+_SPREAD_SHARD = re.compile(r"^[0-9a-f]{2}/model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def save_spread(rank: int, world: int, root: str) -> dict[str, object]:
+    """A sharded save with every shard file under a hashed subdirectory; 200-byte shards so
+    that the tensors land in several files (the coordinator makes the subdirectories, then
+    every rank writes its pieces into them)."""
+    weights = full_weights()
+    with ckptd.Checkpointer(root, dist_timeout=60, key_layout="spread", max_shard_size=200) as ckpt:
+        result = ckpt.async_save(1, {"model": sharded_state(rank, world, weights)}).wait(120)
+        written = ckpt._saver.last_rank_plan.bytes
+    return {"path": result.path, "written": written}
+
+
+def test_spread_layout_sharded_save_on_three_ranks_loads_resharded_on_two(tmp_path):
+    root = str(tmp_path / "ckpts")
+    saved = run_ranks(3, save_spread, root)
+    path = saved[0]["path"]
+    assert all(r["written"] > 0 for r in saved.values()), "every rank writes its own pieces"
+    manifest = json.loads(open(os.path.join(path, "checkpoint_manifest.json")).read())
+    shards = [name for name in manifest["files"] if name.endswith(".safetensors")]
+    assert len(shards) >= 2, shards
+    assert all(_SPREAD_SHARD.match(name) for name in shards), shards
+    assert all(os.path.isfile(os.path.join(path, *name.split("/"))) for name in shards)
+    assert not [n for n in os.listdir(path) if n.endswith(".safetensors")], "no shard beside the manifest"
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        assert set(json.load(f)["weight_map"].values()) == set(shards)
+    ckptd.CheckpointReader.open(path).verify()
+    run_ranks(2, load_resharded, root)  # each rank checks its pieces bit for bit
+    with ckptd.Checkpointer(root) as ckpt:
+        assert_same(full_weights(), ckpt.load(1)["model"])
 
 
 # ---- replicated (DDP) ------------------------------------------------------------------------
