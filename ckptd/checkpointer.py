@@ -222,13 +222,18 @@ class Checkpointer:
         framework's own naming, e.g. Lightning's ``epoch=0-step=10.ckpt``): on the root's storage,
         and on local disk on the root's filesystem (the save is staged under the root and renamed
         into place).  Such checkpoints are not listed by :meth:`checkpoints` nor touched by
-        ``keep_last`` unless they are named ``checkpoint-<step>`` under the root.
+        ``keep_last`` unless they are named ``checkpoint-<step>`` under the root.  A local
+        ``path`` may be new, an empty directory or a checkpoint (``overwrite=True``); a
+        directory of other files is never replaced, whatever ``overwrite`` says
+        (:class:`~ckptd.errors.CheckpointExistsError` before anything is written).
 
         Raises before anything is written if the state holds values that cannot be stored
         (:class:`~ckptd.errors.UnsupportedValueError`), the sharding is invalid
         (:class:`~ckptd.errors.ShardingError`) or the checkpoint already exists on local
         storage (:class:`~ckptd.errors.CheckpointExistsError`; on object stores the
-        create-only claim reports it from ``wait()``, keeping a round trip off this call).
+        create-only claim reports it from ``wait()``, keeping a round trip off this call).  A
+        checkpoint whose manifest is unreadable still counts as existing: ``overwrite=True``
+        replaces it.
         """
         started = time.perf_counter()
         self._check_process()

@@ -77,7 +77,8 @@ class Destination:
     def publish(self) -> None:
         from ..save.commit import publish
 
-        publish(self.storage, self.staging, self.final, overwrite=self.overwrite)
+        # --overwrite was asked for this path by name: it may replace an HF directory too
+        publish(self.storage, self.staging, self.final, overwrite=self.overwrite, replace_any=True)
 
     def discard(self) -> None:
         if self.storage.local:

@@ -82,40 +82,30 @@ def _consolidate(args: argparse.Namespace, context: Context) -> Result:
     progress = Progress(f"consolidate {base_name(source.directory)}", total, enabled=context.progress)
     started = time.perf_counter()
     if destination.storage.local:
-        # consolidate() stages next to its target and renames it there: target a hidden
-        # sibling, then swap it in (the old copy stays committed until the swap).
+        # consolidate() stages in a hidden sibling of the destination (formats.names.leftover_name)
+        # and swaps it in at the end: the old copy stays committed until then.
         parent, base = os.path.split(destination.final)
-        target = os.path.join(parent, f".{base}.new-{secrets.token_hex(4)}")
 
         def measure() -> int:
-            prefix = f".{os.path.basename(target)}.tmp-"
-            staged = [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(prefix)]
+            staged = [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(f".{base}.tmp-")]
             return sum(sum(destination.storage.sizes(path).values()) for path in staged)
 
     else:
-        target = destination.final
         destination.begin()
 
         def measure() -> int:
             return destination.written()
 
-    try:
-        with polled(progress, measure):
-            manifest = consolidate(
-                source.directory,
-                target,
-                max_shard_size=args.max_shard_size,
-                storage_options=context.storage_options,
-                destination_storage_options=context.storage_options,
-                verify=args.verify,
-            )
-        if target != destination.final:
-            destination.staging = target
-            destination.publish()
-    except BaseException:
-        if target != destination.final and os.path.exists(target):
-            destination.storage.remove_tree(target)
-        raise
+    with polled(progress, measure):
+        manifest = consolidate(
+            source.directory,
+            destination.final,
+            max_shard_size=args.max_shard_size,
+            storage_options=context.storage_options,
+            destination_storage_options=context.storage_options,
+            verify=args.verify,
+            overwrite=args.overwrite,
+        )
     body = {
         "source": source.directory,
         "destination": destination.final,

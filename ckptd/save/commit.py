@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -41,6 +42,7 @@ __all__ = [
     "CLAIM_NAME",
     "ComponentInfo",
     "Descriptions",
+    "check_destination",
     "claim_step",
     "combine_pieces",
     "finalize_checkpoint",
@@ -204,25 +206,79 @@ def finalize_checkpoint(
     return manifest
 
 
-def publish(storage: Storage, staging_dir: str, final_dir: str, *, overwrite: bool) -> None:
+_SPREAD_DIRECTORY = re.compile(r"^[0-9a-f]{2}$")  # key_layout="spread" subdirectories
+_OUR_FILES = frozenset({STATE_NAME, CLAIM_NAME})  # besides shards and indexes
+
+
+def _uncommitted_files_of_ours(directory: str, names: list[str]) -> bool:
+    """Whether every entry of a manifest-less directory is a name a ckptd save writes (shards,
+    indexes, the state file, the claim; shards in ``key_layout="spread"`` subdirectories):
+    what an interrupted deletion by an older version left, garbage to a save."""
+
+    def ours(name: str) -> bool:
+        return name.endswith(".safetensors") or name.endswith(".safetensors.index.json") or name in _OUR_FILES
+
+    for name in names:
+        path = os.path.join(directory, name)
+        if os.path.islink(path):
+            return False
+        if os.path.isdir(path):
+            if not _SPREAD_DIRECTORY.match(name) or not all(n.endswith(".safetensors") for n in os.listdir(path)):
+                return False
+        elif not ours(name):
+            return False
+    return True
+
+
+def check_destination(final_dir: str, *, overwrite: bool, replace_any: bool = False) -> None:
+    """Local: refuse, before any work, a ``final_dir`` that a commit must not replace.
+
+    Free to take: a missing path, an empty directory, or a directory of ckptd files with no
+    manifest (an interrupted deletion's leftover).  A ckptd checkpoint (a directory holding a
+    manifest file, valid or not) is replaced only with ``overwrite``.  Anything else is
+    someone's files and is never replaced (:class:`CheckpointExistsError`), unless ``overwrite``
+    and ``replace_any`` (the command line's ``--overwrite`` of an output that is an HF directory).
+    """
+    if not os.path.lexists(final_dir):
+        return
+    if os.path.isdir(final_dir) and not os.path.islink(final_dir):
+        names = os.listdir(final_dir)
+        if MANIFEST_NAME in names:
+            if overwrite:
+                return
+            raise CheckpointExistsError(f"checkpoint {final_dir} already exists; pass overwrite=True to replace it")
+        if _uncommitted_files_of_ours(final_dir, names):
+            return
+    if overwrite and replace_any:
+        return
+    raise CheckpointExistsError(
+        f"{final_dir} exists and is not a ckptd checkpoint; ckptd replaces only checkpoints and empty "
+        "directories: remove it or pick another path"
+    )
+
+
+def publish(storage: Storage, staging_dir: str, final_dir: str, *, overwrite: bool, replace_any: bool = False) -> None:
     """Make a finished staging directory the checkpoint at ``final_dir``.
 
-    Local: a ``final_dir`` without a valid manifest (left by a crash) is garbage and is removed
-    first.  An overwrite swaps the two directories in one atomic step where the filesystem can
-    (``renameat2(RENAME_EXCHANGE)``), so ``final_dir`` is the old or the new checkpoint at every
-    moment; elsewhere the old one is renamed aside to ``.<name>.replaced-*`` first, and
+    Local: :func:`check_destination` first (an existing checkpoint needs ``overwrite``; other
+    files are never replaced unless ``replace_any``).  An empty directory, ckptd files without a
+    manifest, a checkpoint whose manifest is not valid, or with ``replace_any`` anything else, is
+    removed first.  An
+    overwrite of a checkpoint swaps the two directories in one atomic step where the filesystem
+    can (``renameat2(RENAME_EXCHANGE)``), so ``final_dir`` is the old or the new checkpoint at
+    every moment; elsewhere the old one is renamed aside to ``.<name>.replaced-*`` first, and
     :func:`~ckptd.catalog.collect_garbage` completes an overwrite a crash interrupted.
     """
     if not isinstance(storage, LocalStorage) or staging_dir == final_dir:
         return
+    check_destination(final_dir, overwrite=overwrite, replace_any=replace_any)
     if os.path.lexists(final_dir) and read_manifest(storage, final_dir) is None:
-        logger.warning("ckptd: removing %s: it has no valid manifest (left by a crash)", final_dir)
+        if os.path.isdir(final_dir) and not os.path.islink(final_dir) and os.listdir(final_dir):
+            logger.warning("ckptd: replacing %s: it holds no valid checkpoint", final_dir)
         discard_directory(storage, final_dir)
     if not os.path.lexists(final_dir):
         storage.publish_directory(staging_dir, final_dir)
         return
-    if not overwrite:
-        raise CheckpointExistsError(f"checkpoint {final_dir} already exists; pass overwrite=True to replace it")
     if storage.exchange_directories(staging_dir, final_dir):
         discard_directory(storage, staging_dir, os.path.basename(final_dir))  # now the old checkpoint
         return

@@ -30,9 +30,8 @@ from typing import Any, TypeVar
 
 from ..catalog import ManifestCache, apply_retention
 from ..dist.group import DistContext
-from ..errors import CheckpointExistsError, WriterError
+from ..errors import WriterError
 from ..formats.manifest import FileRecord, Manifest
-from ..formats.names import MANIFEST_NAME
 from ..options import CheckpointerOptions
 from ..request import SaveRequest, SaveResult
 from ..stats import new_recorder
@@ -42,7 +41,15 @@ from ..storage.retry import retries_of
 from ..writer.client import InProcessWriter, WriterClient
 from ..writer.protocol import FileResult, FileSpec, FilesWritten
 from .arena import StageHandle, StagingArena, StagingPool, StepGuard
-from .commit import ComponentInfo, Descriptions, claim_step, combine_pieces, finalize_checkpoint, write_descriptions
+from .commit import (
+    ComponentInfo,
+    Descriptions,
+    check_destination,
+    claim_step,
+    combine_pieces,
+    finalize_checkpoint,
+    write_descriptions,
+)
 from .coordinate import Coordinator, Outcome, Report, Round, SoloCoordinator, StoreCoordinator
 from .describe import Describer, Payload
 from .exchange import Exchange, PlanBook, Planned, planned_alone
@@ -207,11 +214,11 @@ class Saver:
 
         def describe() -> Payload:
             flats.extend(self.describer.flatten(state, sharing or {}, allow_pickle, frozen or {}))
-            # Local stores: refuse an existing step now (a stat).  Object stores learn it from
-            # the create-only claim in the completion thread, off the caller's critical path.
-            if self.describer.is_coordinator and not overwrite and self.storage.local:
-                if self.storage.exists(self.storage.join(final, MANIFEST_NAME)):
-                    raise CheckpointExistsError(f"checkpoint {final} already exists; pass overwrite=True to replace it")
+            # Local stores: refuse an existing step, or someone's files at a chosen path, now (a
+            # stat).  Object stores learn it from the create-only claim in the completion
+            # thread, off the caller's critical path.
+            if self.describer.is_coordinator and self.storage.local:
+                check_destination(final, overwrite=overwrite)
             return self.describer.payload(flats, step, self.incremental.last_path)
 
         planned = self._agree(describe, f"save of step {step}", final)

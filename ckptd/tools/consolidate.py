@@ -12,12 +12,12 @@ import time
 from typing import Any
 
 from .._version import __version__
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, ConfigError
 from ..formats.manifest import FileRecord, Manifest, TensorRecord
 from ..formats.names import leftover_name, shard_file_name
 from ..load.reader import CheckpointReader
 from ..options import DEFAULT_MAX_SHARD_SIZE, parse_size
-from ..save.commit import ComponentInfo, claim_step, finalize_checkpoint
+from ..save.commit import ComponentInfo, check_destination, claim_step, finalize_checkpoint
 from ..save.layout import WriteItem, bucket_items, plan_file
 from ..save.tensor_files import write_layout
 from ..storage import normalize_location, storage_for
@@ -33,30 +33,43 @@ def consolidate(
     storage_options: dict[str, Any] | None = None,
     destination_storage_options: dict[str, Any] | None = None,
     verify: bool = False,
+    overwrite: bool = False,
 ) -> Manifest:
     """Write ``source`` (a committed ckptd checkpoint) as a new checkpoint at ``destination``
     where every tensor is stored whole, in HF-style shards with an index per component.
 
     Tensors are read and written one at a time.  The result keeps the source's components,
     non-tensor state, tied groups, step, metadata and metrics; its manifest is written last.
+
+    An existing checkpoint at ``destination`` raises :class:`~ckptd.errors.CheckpointExistsError`
+    before anything is read, unless ``overwrite=True``: then it is replaced once the new one is
+    complete (on local disks in one atomic swap, so ``destination`` is the old or the new
+    checkpoint at every moment).  A local ``destination`` that exists and is anything but a
+    checkpoint or an empty directory is never replaced (``CheckpointExistsError``, whatever
+    ``overwrite`` says: see :func:`ckptd.save.commit.check_destination`), and ``destination``
+    may not be ``source`` (``ConfigError``).
     """
     reader = CheckpointReader.open(source, storage_options, require_manifest=True)
     manifest = reader.manifest
     if manifest is None:  # pragma: no cover - require_manifest guarantees it
         raise CheckpointNotFoundError(f"{source}: not a committed ckptd checkpoint (no manifest)")
-    if verify:
-        reader.verify()
     limit = parse_size(max_shard_size, "max_shard_size")
     target = os.fspath(destination)
     storage = storage_for(target, destination_storage_options)
     final = normalize_location(target)
+    if final == reader.directory:
+        raise ConfigError(f"{final}: consolidate() needs a destination other than its source")
+    if storage.local:
+        check_destination(final, overwrite=overwrite)  # before any work, as the commit would
+    if verify:
+        reader.verify()
     started = time.perf_counter()
     if storage.local:
         parent, base = os.path.split(final)
         staging = os.path.join(parent, leftover_name(base, "tmp"))  # collect_garbage knows the name
     else:
         staging = final
-        claim_step(storage, final, overwrite=False)
+        claim_step(storage, final, overwrite=overwrite)
     storage.makedirs(staging)
     try:
         written: dict[str, FileRecord] = {}
@@ -98,6 +111,7 @@ def consolidate(
             metrics=manifest.metrics,
             timings={"consolidate": time.perf_counter() - started},
             world_size=1,
+            overwrite=overwrite,
         )
     except BaseException:
         storage.discard(staging)

@@ -62,6 +62,18 @@ def test_consolidate_onto_an_existing_destination_needs_overwrite(committed, tmp
     assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []  # no staging left behind
 
 
+def test_consolidate_never_replaces_a_directory_of_other_files_even_with_overwrite(committed, tmp_path):
+    _root, path = committed
+    destination = tmp_path / "notes"
+    destination.mkdir()
+    (destination / "todo.txt").write_text("mine")
+    line = assert_error(run("consolidate", path, str(destination), "--overwrite"), "conflict", "not a ckptd checkpoint")
+    assert "pass --overwrite" not in line, "the hint must not suggest what was just refused"
+    assert os.listdir(destination) == ["todo.txt"]
+    assert (destination / "todo.txt").read_text() == "mine"
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []  # no staging left behind
+
+
 def test_a_corrupt_checkpoint_fails_verify_with_the_corrupt_code(committed):
     _root, path = committed
     shard = os.path.join(path, "model-00001-of-00001.safetensors")
