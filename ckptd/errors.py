@@ -14,6 +14,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "DistributedSaveError",
+    "ForeignFilesError",
     "KeyMismatchError",
     "MissingFileError",
     "ReferencedCheckpointError",
@@ -43,6 +44,11 @@ class CheckpointNotFoundError(CkptdError, FileNotFoundError):
 
 class CheckpointExistsError(CkptdError, FileExistsError):
     """A committed checkpoint already exists at the destination and overwriting was not asked."""
+
+
+class ForeignFilesError(CheckpointExistsError):
+    """The destination holds files that are not a ckptd checkpoint: never replaced, even with
+    ``overwrite=True`` (a commit would have to delete them)."""
 
 
 class ReferencedCheckpointError(CkptdError, PermissionError):

@@ -22,6 +22,7 @@ from ..errors import (
     CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
+    ForeignFilesError,
     KeyMismatchError,
     ReferencedCheckpointError,
     StorageError,
@@ -127,7 +128,7 @@ def classify(error: BaseException, command: str) -> Failure:
         code = EXIT_CONFLICT
         if isinstance(error, ReferencedCheckpointError):
             hint = "remove the checkpoints that reference it first, or consolidate them ('ckptd consolidate')"
-        elif "not a ckptd checkpoint" in str(error):  # commit.check_destination: never replaced
+        elif isinstance(error, ForeignFilesError):  # never replaced, --overwrite or not
             hint = "pick another destination, or remove what is there yourself"
     elif isinstance(error, (CheckpointNotFoundError, FileNotFoundError, NotADirectoryError)):
         code = EXIT_NOT_FOUND

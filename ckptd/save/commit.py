@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._version import __version__
 from ..catalog import ManifestCache, discard_directory, read_manifest
-from ..errors import CheckpointExistsError, CorruptCheckpointError, WriterError
+from ..errors import CheckpointExistsError, CorruptCheckpointError, ForeignFilesError, WriterError
 from ..formats.checksum import crc32c, crc32c_combine, format_crc
 from ..formats.manifest import (
     ComponentRecord,
@@ -236,7 +236,7 @@ def check_destination(final_dir: str, *, overwrite: bool, replace_any: bool = Fa
     Free to take: a missing path, an empty directory, or a directory of ckptd files with no
     manifest (an interrupted deletion's leftover).  A ckptd checkpoint (a directory holding a
     manifest file, valid or not) is replaced only with ``overwrite``.  Anything else is
-    someone's files and is never replaced (:class:`CheckpointExistsError`), unless ``overwrite``
+    someone's files and is never replaced (:class:`ForeignFilesError`), unless ``overwrite``
     and ``replace_any`` (the command line's ``--overwrite`` of an output that is an HF directory).
     """
     if not os.path.lexists(final_dir):
@@ -251,7 +251,7 @@ def check_destination(final_dir: str, *, overwrite: bool, replace_any: bool = Fa
             return
     if overwrite and replace_any:
         return
-    raise CheckpointExistsError(
+    raise ForeignFilesError(
         f"{final_dir} exists and is not a ckptd checkpoint; ckptd replaces only checkpoints and empty "
         "directories: remove it or pick another path"
     )

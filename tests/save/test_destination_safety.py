@@ -12,7 +12,7 @@ import torch
 from conftest import assert_same
 
 import ckptd
-from ckptd.errors import CheckpointExistsError, ConfigError
+from ckptd.errors import CheckpointExistsError, ConfigError, ForeignFilesError
 
 
 def _saved(root: str, value: float = 1.0) -> tuple[str, dict[str, torch.Tensor]]:
@@ -54,7 +54,7 @@ def test_a_directory_that_is_not_a_checkpoint_is_never_replaced(root, tmp_path, 
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("not a checkpoint")
-    with pytest.raises(CheckpointExistsError, match="not a ckptd checkpoint"):
+    with pytest.raises(ForeignFilesError, match="not a ckptd checkpoint"):
         ckptd.consolidate(source, str(precious), overwrite=overwrite)
     assert os.listdir(precious) == ["notes.txt"]
     assert (precious / "notes.txt").read_text() == "not a checkpoint"
@@ -65,7 +65,7 @@ def test_a_file_at_the_destination_is_never_replaced(root, tmp_path):
     source, _ = _saved(root)
     target = tmp_path / "model.bin"
     target.write_bytes(b"someone else's file")
-    with pytest.raises(CheckpointExistsError, match="not a ckptd checkpoint"):
+    with pytest.raises(ForeignFilesError, match="not a ckptd checkpoint"):
         ckptd.consolidate(source, str(target), overwrite=True)
     assert target.read_bytes() == b"someone else's file"
 
@@ -96,7 +96,7 @@ def test_a_save_to_a_chosen_directory_of_someone_elses_files_is_refused_before_s
     precious.mkdir()
     (precious / "notes.txt").write_text("not a checkpoint")
     with ckptd.Checkpointer(root) as ckpt:
-        with pytest.raises(CheckpointExistsError, match="not a ckptd checkpoint"):
+        with pytest.raises(ForeignFilesError, match="not a ckptd checkpoint"):
             ckpt.save(1, {"model": {"w": torch.ones(3)}}, path=str(precious), overwrite=overwrite)
         assert not [n for n in os.listdir(root) if n.startswith(".")], "refused before a staging directory"
         ckpt.save(2, {"model": {"w": torch.ones(3)}})  # the Checkpointer goes on
@@ -133,7 +133,7 @@ def test_a_step_directory_written_by_another_tool_is_never_replaced(root):
         f.write('{"global_step": 500}')
     with ckptd.Checkpointer(root) as ckpt:
         for overwrite in (False, True):
-            with pytest.raises(CheckpointExistsError, match="not a ckptd checkpoint"):
+            with pytest.raises(ForeignFilesError, match="not a ckptd checkpoint"):
                 ckpt.save(500, {"model": {"w": torch.ones(2)}}, overwrite=overwrite)
         assert ckpt.checkpoints() == []
     assert os.listdir(theirs) == ["trainer_state.json"]
