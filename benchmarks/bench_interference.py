@@ -375,10 +375,11 @@ class RawWrite:
             os.remove(self.path)
 
 
-def write_floor_saver(stack: ExitStack, nbytes: int, bench_dir: str, nice: int = 10) -> Saver:
+def write_floor_saver(stack: ExitStack, nbytes: int, bench_dir: str, repeats: int, nice: int = 10) -> Saver:
     """The interference floor: ``raw_writer.py`` writes ``nbytes`` as the write floor does
     (``O_DIRECT`` + ``fsync``; no staging, no checksum, no format) at ckptd's writer niceness.
-    The process of the next write is started, and its buffer filled, when a write is cleaned up."""
+    The process of the next write (of ``repeats``) is started, and its buffer filled, when a
+    write is cleaned up."""
     path = os.path.join(bench_dir, "raw-writer.bin")
     writes = [RawWrite(nbytes, path, nice)]
     stack.callback(lambda: writes[-1].close())
@@ -388,7 +389,8 @@ def write_floor_saver(stack: ExitStack, nbytes: int, bench_dir: str, nice: int =
 
     def finish(i: int, result: Any) -> None:
         writes[-1].close()
-        writes.append(RawWrite(nbytes, path, nice))
+        if i + 1 < repeats:
+            writes.append(RawWrite(nbytes, path, nice))
 
     note = f"raw_writer.py: the write floor's O_DIRECT 16 MiB pwrites + fsync in its own process, nice {nice}"
     return Saver("write floor", start, finish, note)
@@ -525,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
             with ExitStack() as stack:
                 savers = []
                 if not args.skip_write_floor:
-                    savers.append(write_floor_saver(stack, total, bench_dir))
+                    savers.append(write_floor_saver(stack, total, bench_dir, args.repeats))
                 savers.append(ckptd_saver(stack, "ckptd", state, bench_dir))
                 if args.throttle:
                     savers.append(ckptd_saver(stack, "ckptd throttle=True", state, bench_dir, throttle=True))

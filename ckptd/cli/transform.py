@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
+from ..formats.names import match_leftover_name
 from ..options import DEFAULT_MAX_SHARD_SIZE, parse_size
 from ..storage import base_name, normalize_location, storage_for
 from .app import Context, Result
@@ -82,12 +83,16 @@ def _consolidate(args: argparse.Namespace, context: Context) -> Result:
     progress = Progress(f"consolidate {base_name(source.directory)}", total, enabled=context.progress)
     started = time.perf_counter()
     if destination.storage.local:
-        # consolidate() stages in a hidden sibling of the destination (formats.names.leftover_name)
-        # and swaps it in at the end: the old copy stays committed until then.
+        # consolidate() stages in a hidden sibling of the destination (a leftover_name of kind
+        # "tmp") and swaps it in at the end: the old copy stays committed until then.
         parent, base = os.path.split(destination.final)
 
+        def staging(name: str) -> bool:
+            match = match_leftover_name(name)
+            return match is not None and match.group("base") == base and match.group("kind") == "tmp"
+
         def measure() -> int:
-            staged = [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(f".{base}.tmp-")]
+            staged = [os.path.join(parent, n) for n in os.listdir(parent) if staging(n)]
             return sum(sum(destination.storage.sizes(path).values()) for path in staged)
 
     else:

@@ -263,11 +263,11 @@ def publish(storage: Storage, staging_dir: str, final_dir: str, *, overwrite: bo
     Local: :func:`check_destination` first (an existing checkpoint needs ``overwrite``; other
     files are never replaced unless ``replace_any``).  An empty directory, ckptd files without a
     manifest, a checkpoint whose manifest is not valid, or with ``replace_any`` anything else, is
-    removed first.  An
-    overwrite of a checkpoint swaps the two directories in one atomic step where the filesystem
-    can (``renameat2(RENAME_EXCHANGE)``), so ``final_dir`` is the old or the new checkpoint at
-    every moment; elsewhere the old one is renamed aside to ``.<name>.replaced-*`` first, and
-    :func:`~ckptd.catalog.collect_garbage` completes an overwrite a crash interrupted.
+    removed first.  An overwrite of a checkpoint swaps the two directories in one atomic step
+    where the filesystem can (``renameat2(RENAME_EXCHANGE)``), so ``final_dir`` is the old or the
+    new checkpoint at every moment; elsewhere the old one is renamed aside to
+    ``.<name>.replaced-*`` first, and :func:`~ckptd.catalog.collect_garbage` completes an
+    overwrite a crash interrupted.
     """
     if not isinstance(storage, LocalStorage) or staging_dir == final_dir:
         return

@@ -45,8 +45,8 @@ def consolidate(
     before anything is read, unless ``overwrite=True``: then it is replaced once the new one is
     complete (on local disks in one atomic swap, so ``destination`` is the old or the new
     checkpoint at every moment).  A local ``destination`` that exists and is anything but a
-    checkpoint or an empty directory is never replaced (``CheckpointExistsError``, whatever
-    ``overwrite`` says: see :func:`ckptd.save.commit.check_destination`), and ``destination``
+    checkpoint or an empty directory is never replaced (:class:`~ckptd.errors.ForeignFilesError`,
+    whatever ``overwrite`` says: see :func:`ckptd.save.commit.check_destination`), and ``destination``
     may not be ``source`` (``ConfigError``).
     """
     reader = CheckpointReader.open(source, storage_options, require_manifest=True)
