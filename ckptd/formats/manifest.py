@@ -36,6 +36,7 @@ __all__ = [
     "Manifest",
     "TensorRecord",
     "MAX_DIMENSION",
+    "STATE_FORMAT",
     "hf_index",
     "parse_hf_index",
     "is_foreign_manifest",
@@ -47,6 +48,7 @@ __all__ = [
 FORMAT_NAME = "ckptd"
 FORMAT_VERSION = 1
 MAX_DIMENSION = 2**62
+STATE_FORMAT = "ckptd-state"  # the "format" field of every state.json a save writes
 """Largest tensor dimension (and byte offset) a manifest may state."""
 _MAX_RANK = 64
 _CHECKSUM_KEY = "checksum"
@@ -504,7 +506,7 @@ def parse_hf_index(index: Any, where: str) -> tuple[dict[str, str], dict[str, st
 
 def state_file_bytes(trees: Mapping[str, Any]) -> bytes:
     """The ``state.json`` body: each component's encoded object tree."""
-    return json.dumps({"format": "ckptd-state", "version": 1, "components": dict(trees)}, ensure_ascii=False).encode()
+    return json.dumps({"format": STATE_FORMAT, "version": 1, "components": dict(trees)}, ensure_ascii=False).encode()
 
 
 def parse_state_file(data: bytes, where: str) -> dict[str, Any]:

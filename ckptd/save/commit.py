@@ -8,6 +8,7 @@ last, is the commit point.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -22,6 +23,7 @@ from ..catalog import ManifestCache, discard_directory, read_manifest
 from ..errors import CheckpointExistsError, CorruptCheckpointError, ForeignFilesError, WriterError
 from ..formats.checksum import crc32c, crc32c_combine, format_crc
 from ..formats.manifest import (
+    STATE_FORMAT,
     ComponentRecord,
     FileRecord,
     Manifest,
@@ -208,16 +210,34 @@ def finalize_checkpoint(
 
 _SPREAD_DIRECTORY = re.compile(r"^[0-9a-f]{2}$")  # key_layout="spread" subdirectories
 _OUR_FILES = frozenset({STATE_NAME, CLAIM_NAME})  # besides shards and indexes
+_MAX_STATE_BYTES = 64 << 20  # a larger "state file" is not one of ours: do not read it to find out
+
+
+def _holds_our_state_file(directory: str) -> bool:
+    """Whether ``directory`` holds a ckptd state file (``state.json`` with ``"format":
+    "ckptd-state"``): every save writes one, and safetensors files alone do not say whose they are."""
+    path = os.path.join(directory, STATE_NAME)
+    try:
+        if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > _MAX_STATE_BYTES:
+            return False
+        with open(path, "rb") as f:
+            body = json.loads(f.read())
+    except (OSError, ValueError):
+        return False
+    return isinstance(body, dict) and body.get("format") == STATE_FORMAT
 
 
 def _uncommitted_files_of_ours(directory: str, names: list[str]) -> bool:
-    """Whether every entry of a manifest-less directory is a name a ckptd save writes (shards,
-    indexes, the state file, the claim; shards in ``key_layout="spread"`` subdirectories):
-    what an interrupted deletion by an older version left, garbage to a save."""
+    """Whether a manifest-less directory is what an interrupted deletion by an older version left
+    (garbage to a save): it holds a ckptd state file, and every other entry is a name a ckptd save
+    writes (shards, indexes, the claim; shards in ``key_layout="spread"`` subdirectories).  A
+    directory of safetensors files and indexes alone may be anyone's export, and is not taken."""
 
     def ours(name: str) -> bool:
         return name.endswith(".safetensors") or name.endswith(".safetensors.index.json") or name in _OUR_FILES
 
+    if STATE_NAME not in names or not _holds_our_state_file(directory):
+        return False
     for name in names:
         path = os.path.join(directory, name)
         if os.path.islink(path):
@@ -234,10 +254,11 @@ def check_destination(final_dir: str, *, overwrite: bool, replace_any: bool = Fa
     """Local: refuse, before any work, a ``final_dir`` that a commit must not replace.
 
     Free to take: a missing path, an empty directory, or a directory of ckptd files with no
-    manifest (an interrupted deletion's leftover).  A ckptd checkpoint (a directory holding a
-    manifest file, valid or not) is replaced only with ``overwrite``.  Anything else is
-    someone's files and is never replaced (:class:`ForeignFilesError`), unless ``overwrite``
-    and ``replace_any`` (the command line's ``--overwrite`` of an output that is an HF directory).
+    manifest (an interrupted deletion's leftover: a ckptd state file beside shards and
+    indexes).  A ckptd checkpoint (a directory holding a manifest file, valid or not) is
+    replaced only with ``overwrite``.  Anything else is someone's files and is never replaced
+    (:class:`ForeignFilesError`), unless ``overwrite`` and ``replace_any`` (the command line's
+    ``--overwrite`` of an output that is an HF directory).
     """
     if not os.path.lexists(final_dir):
         return
@@ -247,7 +268,7 @@ def check_destination(final_dir: str, *, overwrite: bool, replace_any: bool = Fa
             if overwrite:
                 return
             raise CheckpointExistsError(f"checkpoint {final_dir} already exists; pass overwrite=True to replace it")
-        if _uncommitted_files_of_ours(final_dir, names):
+        if not names or _uncommitted_files_of_ours(final_dir, names):
             return
     if overwrite and replace_any:
         return

@@ -137,3 +137,44 @@ def test_a_step_directory_written_by_another_tool_is_never_replaced(root):
                 ckpt.save(500, {"model": {"w": torch.ones(2)}}, overwrite=overwrite)
         assert ckpt.checkpoints() == []
     assert os.listdir(theirs) == ["trainer_state.json"]
+
+
+def _export_of_safetensors_only(directory: str) -> list[str]:
+    """Someone's weights export: shards and an HF index, no ckptd state file, no manifest."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory)
+    save_file({"w": torch.ones(2)}, os.path.join(directory, "model-00001-of-00001.safetensors"))
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        f.write('{"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}')
+    return sorted(os.listdir(directory))
+
+
+def test_a_step_directory_of_safetensors_files_alone_is_never_replaced(root):
+    """Shards and indexes do not say whose they are: without a ckptd state file they are kept."""
+    theirs = os.path.join(root, "checkpoint-7")
+    names = _export_of_safetensors_only(theirs)
+    with ckptd.Checkpointer(root) as ckpt:
+        for overwrite in (False, True):
+            with pytest.raises(ForeignFilesError, match="not a ckptd checkpoint"):
+                ckpt.save(7, {"model": {"w": torch.zeros(2)}}, overwrite=overwrite)
+    assert sorted(os.listdir(theirs)) == names
+    from safetensors.torch import load_file
+
+    assert_same({"w": torch.ones(2)}, load_file(os.path.join(theirs, "model-00001-of-00001.safetensors")))
+
+
+@pytest.mark.parametrize(
+    "state_text",
+    ['{"format": "something-else", "components": {}}', "{ not json", '["ckptd-state"]'],
+)
+def test_a_state_json_that_is_not_ckptds_does_not_make_a_directory_ours(root, state_text):
+    theirs = os.path.join(root, "checkpoint-8")
+    _export_of_safetensors_only(theirs)
+    with open(os.path.join(theirs, "state.json"), "w") as f:
+        f.write(state_text)
+    with ckptd.Checkpointer(root) as ckpt:
+        with pytest.raises(ForeignFilesError):
+            ckpt.save(8, {"model": {"w": torch.zeros(2)}})
+    with open(os.path.join(theirs, "state.json")) as f:
+        assert f.read() == state_text
