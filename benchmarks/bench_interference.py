@@ -28,10 +28,11 @@ The savers, each with one untimed warm-up save first (arena allocation, process 
   then ``fsync``): no staging, no checksum, no format.  Whatever it slows steps by is the cost of
   the I/O itself on this machine; a saver's slowdown beyond it is the saver's own;
 * ckptd ``async_save`` with default settings (blocking staging, so the bytes are in the staging
-  arena when the call returns and the writer process writes them while the loop runs);
-* with ``--throttle``, ckptd with its adaptive throttle (``Checkpointer(throttle=True)``; its
-  step monitor keeps the last 16 step times as its baseline, so the other savers' rounds are
-  out of it by the time its own save starts);
+  arena when the call returns and the writer process writes them while the loop runs; the
+  adaptive throttle on, whose step monitor keeps the last 16 step times as its baseline, so the
+  other savers' rounds are out of it by the time its own save starts);
+* with ``--unthrottled``, ckptd with its adaptive throttle off (``Checkpointer(throttle=False)``:
+  the writer at full speed whatever the steps do);
 * DCP ``async_save`` in process mode with a reused shared-memory ``DefaultStager`` (staging is
   synchronous, as in ``bench_save.py``); steps run while its upload future is not done.  Its
   rounds run after the others' (its checkpoint process and process group are set up once).
@@ -326,7 +327,7 @@ def ckptd_saver(stack: ExitStack, label: str, state: State, bench_dir: str, **op
     def finish(i: int, result: Any) -> None:
         shutil.rmtree(result.path)
 
-    note = f"Checkpointer({', '.join(f'{k}={v!r}' for k, v in options.items()) or 'defaults'})"
+    note = f"Checkpointer({', '.join(f'{k}={v!r}' for k, v in options.items()) or 'defaults: adaptive throttle on'})"
     # The matmul loops tell the throttle where steps begin; the transformer's AdamW steps are
     # timed by ckptd's optimizer hook.
     return Saver(label, start, finish, note, on_step=ckpt.mark_step)
@@ -477,9 +478,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--dir", default="/work", help="parent of the fresh benchmark directory (default /work)")
     parser.add_argument(
-        "--throttle",
+        "--unthrottled",
         action="store_true",
-        help="also measure ckptd with its adaptive I/O throttle (Checkpointer(throttle=True)), one row per shape",
+        help="also measure ckptd without its adaptive I/O throttle (Checkpointer(throttle=False)), one row per shape",
     )
     parser.add_argument("--skip-dcp", action="store_true", help="do not benchmark torch.distributed.checkpoint")
     parser.add_argument(
@@ -529,8 +530,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.skip_write_floor:
                     savers.append(write_floor_saver(stack, total, bench_dir, args.repeats))
                 savers.append(ckptd_saver(stack, "ckptd", state, bench_dir))
-                if args.throttle:
-                    savers.append(ckptd_saver(stack, "ckptd throttle=True", state, bench_dir, throttle=True))
+                if args.unthrottled:
+                    savers.append(ckptd_saver(stack, "ckptd throttle=False", state, bench_dir, throttle=False))
                 names = ", ".join(s.label for s in savers)
                 measured = timed_phase(
                     f"{names}, interleaved, {shape}",

@@ -11,7 +11,7 @@ reported beside them and labelled so.
   staging); warm ``async_save`` -> committed vs the write floor; the first save (constructor and
   writer start included) vs the write floor + 0.3 s; DCP ``async_save`` (process mode);
 * I: ``bench_interference.py``: median training step while a save is written vs without one,
-  for each step shape, with ckptd's defaults and with its adaptive throttle; as references, the
+  for each step shape, with ckptd's defaults (adaptive throttle on) and with ``throttle=False``; as references, the
   interference floor (``raw_writer.py``: the write floor's bare ``O_DIRECT`` writes of the same
   bytes in a process of its own) and DCP process mode;
 * M: ``bench_memory.py``: extra PSS per in-flight save; peak RSS and ``/dev/shm`` over the soak;
@@ -92,7 +92,7 @@ def script_argv(name: str, args: argparse.Namespace) -> list[str]:
     if name == "memory":
         return [*sized, "--saves", str(args.soak_saves)]
     if name == "interference":
-        return [*sized, "--throttle", *(["--skip-dcp"] if args.quick else [])]
+        return [*sized, "--unthrottled", *(["--skip-dcp"] if args.quick else [])]
     return sized
 
 

@@ -303,10 +303,10 @@ class Checkpointer:
         return request.result()
 
     def mark_step(self) -> None:
-        """Tell the adaptive throttle (``throttle=True``) that a training step began.
+        """Tell the adaptive throttle (on by default) that a training step began.
 
         Torch optimizer steps are timed without it; call it once per step in loops that do not
-        call ``optimizer.step()``.  Without ``throttle=True`` it does nothing.
+        call ``optimizer.step()``.  With ``throttle=False`` it does nothing.
         """
         if self._steps is not None:
             self._steps.step()

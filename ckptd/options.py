@@ -142,9 +142,10 @@ class CheckpointerOptions:
         ``writer_nice``: CPU niceness increment of the writer (default 10: when training keeps
         the cores busy the writer yields; on idle cores it runs at full speed).
         ``writer_ionice``: best-effort I/O priority of the writer (0 highest, 7 lowest; ``None``: leave).
-        ``throttle``: adaptive I/O throttle (``CKPTD_THROTTLE=1``): while a save is written,
-        training steps are timed (optimizer steps, or ``mark_step()``) and the writer slows down
-        while they are more than 10% slower than without a save (see :mod:`ckptd.save.throttle`).
+        ``throttle``: adaptive I/O throttle, on by default (``False`` or ``CKPTD_THROTTLE=0``
+        turns it off): while a save is written, training steps are timed (optimizer steps, or
+        ``mark_step()``) and the writer slows down while they are more than 10% slower than
+        without a save (see :mod:`ckptd.save.throttle`).  Nothing is slowed while nobody trains.
         ``direct_io``: write local files with ``O_DIRECT`` (falls back to buffered writes where
         the filesystem refuses it).  ``drop_cache``: drop written files from the page cache once durable.
     Object stores:
@@ -173,7 +174,7 @@ class CheckpointerOptions:
     writer_start_timeout: float = DEFAULT_WRITER_START_TIMEOUT
     writer_nice: int = DEFAULT_WRITER_NICE
     writer_ionice: int | None = DEFAULT_WRITER_IONICE
-    throttle: bool = False
+    throttle: bool = True
     direct_io: bool = True
     drop_cache: bool = True
     storage_options: dict[str, Any] = field(default_factory=dict)

@@ -1,6 +1,6 @@
 """The trainer's half of the adaptive I/O throttle: watch training steps, tell the writer.
 
-With ``Checkpointer(..., throttle=True)`` a :class:`StepMonitor` times the training steps (a
+With ``Checkpointer(...)`` (``throttle=True``, the default) a :class:`StepMonitor` times the training steps (a
 global optimizer step pre-hook, or :meth:`~ckptd.Checkpointer.mark_step` for loops without a
 torch optimizer).  Intervals between steps while no save is being written form the baseline
 (the median of the last :data:`BASELINE_STEPS`).  While a save is written, each

@@ -34,7 +34,7 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pause: float
 
 def test_slowed_training_throttles_the_writer_until_that_does_not_help(tmp_path: Any) -> None:
     model, optimizer, state = _model_and_state()
-    with ckptd.Checkpointer(str(tmp_path), throttle=True, chunk_size="1MiB") as ckpt:
+    with ckptd.Checkpointer(str(tmp_path), chunk_size="1MiB") as ckpt:  # the throttle is on by default
         ckpt.prepare(state)
         for _ in range(12):
             _step(model, optimizer, 0.002)  # the baseline: no save
@@ -104,9 +104,9 @@ def test_wait_releases_the_limit_so_the_save_finishes_at_full_speed(tmp_path: An
 
 def test_without_throttle_nothing_is_timed_or_held_back(tmp_path: Any) -> None:
     model, optimizer, state = _model_and_state()
-    with ckptd.Checkpointer(str(tmp_path), chunk_size="1MiB") as ckpt:
+    with ckptd.Checkpointer(str(tmp_path), throttle=False, chunk_size="1MiB") as ckpt:
         assert ckpt._steps is None
-        ckpt.mark_step()  # a no-op without throttle=True
+        ckpt.mark_step()  # a no-op with throttle=False
         request = ckpt.async_save(1, state)
         while not request.done():
             _step(model, optimizer, 0.020)
@@ -122,3 +122,16 @@ def test_throttle_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CKPTD_THROTTLE", "sometimes")
     with pytest.raises(ConfigError, match="CKPTD_THROTTLE"):
         CheckpointerOptions.from_env()
+
+
+def test_a_save_while_nobody_trains_is_never_held_back_by_the_default_throttle(tmp_path: Any) -> None:
+    _, _, state = _model_and_state()
+    assert CheckpointerOptions().throttle is True
+    with ckptd.Checkpointer(str(tmp_path), chunk_size="1MiB") as ckpt:
+        assert ckpt._steps is not None  # the default times optimizer steps
+        for step in (1, 2):
+            result = ckpt.async_save(step, state).result()
+            assert "throttled" not in result.timings
+        assert list(ckpt._steps.sent) == []  # no steps: the writer is told nothing
+        assert ckpt.health_check()["throttled_seconds"] == 0.0
+        assert_same(ckpt.load(2, into=None)["payload"], state["payload"])
