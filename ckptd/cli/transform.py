@@ -193,7 +193,7 @@ def _write_ckptd(args: argparse.Namespace, source: Tensors, context: Context) ->
     destination.begin()
     try:
         if not destination.storage.local:
-            claim_step(destination.storage, destination.final, overwrite=args.overwrite)
+            claim_step(destination.storage, destination.final, overwrite=args.overwrite, replace_any=True)
         written, records, _ = write_shards(source, destination, limit, progress)
         manifest = finalize_checkpoint(
             destination.storage,

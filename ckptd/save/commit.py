@@ -45,6 +45,7 @@ __all__ = [
     "ComponentInfo",
     "Descriptions",
     "check_destination",
+    "check_object_prefix",
     "claim_step",
     "combine_pieces",
     "finalize_checkpoint",
@@ -57,7 +58,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def claim_step(storage: Storage, final_dir: str, *, overwrite: bool) -> None:
+def claim_step(storage: Storage, final_dir: str, *, overwrite: bool, replace_any: bool = False) -> None:
     """Object stores: claim a checkpoint prefix before writing into it (create-only).
 
     Shard objects are written under their final names, so a second writer of the same step
@@ -66,7 +67,13 @@ def claim_step(storage: Storage, final_dir: str, *, overwrite: bool) -> None:
     failed save's clean-up removes it.  With ``overwrite`` the claim is taken unconditionally and
     only then is the old checkpoint unpublished (manifest first), so a claim that fails leaves the
     old checkpoint as it was.
+
+    First, one listing of the prefix (:func:`check_object_prefix`): objects that are not ckptd's
+    are refused with :class:`ForeignFilesError` (a failed save's clean-up removes the whole
+    prefix, and shards would replace same-named objects), unless ``overwrite`` and ``replace_any``.
     """
+    if not (overwrite and replace_any):
+        check_object_prefix(storage, final_dir)
     claim = storage.join(final_dir, CLAIM_NAME)
     body = f"{socket.gethostname()} {os.getpid()} {utc_now()}".encode()
     try:
@@ -213,6 +220,11 @@ _OUR_FILES = frozenset({STATE_NAME, CLAIM_NAME})  # besides shards and indexes
 _MAX_STATE_BYTES = 64 << 20  # a larger "state file" is not one of ours: do not read it to find out
 
 
+def _our_file_name(name: str) -> bool:
+    """A name a ckptd save writes in a checkpoint directory (besides the manifest)."""
+    return name.endswith(".safetensors") or name.endswith(".safetensors.index.json") or name in _OUR_FILES
+
+
 def _holds_our_state_file(directory: str) -> bool:
     """Whether ``directory`` holds a ckptd state file (``state.json`` with ``"format":
     "ckptd-state"``): every save writes one, and safetensors files alone do not say whose they are."""
@@ -233,9 +245,6 @@ def _uncommitted_files_of_ours(directory: str, names: list[str]) -> bool:
     writes (shards, indexes, the claim; shards in ``key_layout="spread"`` subdirectories).  A
     directory of safetensors files and indexes alone may be anyone's export, and is not taken."""
 
-    def ours(name: str) -> bool:
-        return name.endswith(".safetensors") or name.endswith(".safetensors.index.json") or name in _OUR_FILES
-
     if STATE_NAME not in names or not _holds_our_state_file(directory):
         return False
     for name in names:
@@ -245,9 +254,33 @@ def _uncommitted_files_of_ours(directory: str, names: list[str]) -> bool:
         if os.path.isdir(path):
             if not _SPREAD_DIRECTORY.match(name) or not all(n.endswith(".safetensors") for n in os.listdir(path)):
                 return False
-        elif not ours(name):
+        elif not _our_file_name(name):
             return False
     return True
+
+
+def check_object_prefix(storage: Storage, final_dir: str) -> None:
+    """Object stores: refuse a prefix holding objects that are not ckptd's (:class:`ForeignFilesError`).
+
+    Free to take: an empty prefix, a checkpoint (a manifest), a save's claim (the create-only
+    claim then decides), or ckptd objects without either (a clean-up that was cut short: a ckptd
+    state file beside shards and indexes).  One listing request.
+    """
+    names = storage.list_names(final_dir)
+    if not names or MANIFEST_NAME in names or CLAIM_NAME in names:
+        return
+    if STATE_NAME in names and all(_SPREAD_DIRECTORY.match(n) or _our_file_name(n) for n in names):
+        path = storage.join(final_dir, STATE_NAME)
+        try:
+            body = json.loads(storage.read_bytes(path)) if storage.size(path) <= _MAX_STATE_BYTES else None
+        except ValueError:  # not JSON: not ours (a store that cannot be read raises StorageError)
+            body = None
+        if isinstance(body, dict) and body.get("format") == STATE_FORMAT:
+            return
+    raise ForeignFilesError(
+        f"{final_dir} holds objects that are not a ckptd checkpoint; ckptd writes only into empty "
+        "prefixes and its own checkpoints: remove them or pick another path"
+    )
 
 
 def check_destination(final_dir: str, *, overwrite: bool, replace_any: bool = False) -> None:

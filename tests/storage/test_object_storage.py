@@ -13,7 +13,7 @@ import torch
 from conftest import S3Place, assert_same, clone_state
 
 import ckptd
-from ckptd.errors import CheckpointExistsError, ConfigError, StorageError
+from ckptd.errors import CheckpointExistsError, ConfigError, ForeignFilesError, StorageError
 
 pytestmark = pytest.mark.objectstore
 pytest.importorskip("s3fs")
@@ -355,3 +355,44 @@ def test_a_create_only_write_whose_answer_was_lost_still_commits(s3: S3Place, pr
         assert result.step == 1 and ckpt.steps() == [1]
         assert_same(model_state(n=1), ckpt.load(1, verify=True)["model"])
     assert [kind for kind, _, _ in proxy.injected] == ["lost-reply"]
+
+
+def test_a_prefix_of_someone_elses_objects_is_never_written_into(s3: S3Place):
+    """An HF upload at ``checkpoint-4/`` (no manifest, no claim): a save there is refused before
+    any byte, whatever ``overwrite`` says, and a failed save's clean-up cannot remove it."""
+    theirs = {
+        "run/checkpoint-4/model-00001-of-00001.safetensors": b"their weights",
+        "run/checkpoint-4/config.json": b"{}",
+    }
+    for key, body in theirs.items():
+        s3.client.put_object(Bucket=s3.bucket, Key=key, Body=body)
+    with ckptd.Checkpointer(s3.url(), storage_options=s3.options()) as ckpt:
+        for overwrite in (False, True):
+            with pytest.raises(ForeignFilesError, match=r"checkpoint-4 holds objects that are not a ckptd checkpoint"):
+                ckpt.save(4, {"model": model_state(n=1)}, overwrite=overwrite)
+        assert ckpt.steps() == []
+    assert s3.keys("run/checkpoint-4/") == sorted(theirs)
+    for key, body in theirs.items():
+        assert s3.client.get_object(Bucket=s3.bucket, Key=key)["Body"].read() == body
+    assert s3.uploads() == []
+
+
+def test_a_prefix_of_safetensors_objects_alone_is_not_taken_for_ckptds(s3: S3Place):
+    key = "run/checkpoint-6/model-00001-of-00001.safetensors"
+    s3.client.put_object(Bucket=s3.bucket, Key=key, Body=b"their weights")
+    with ckptd.Checkpointer(s3.url(), storage_options=s3.options()) as ckpt:
+        with pytest.raises(ForeignFilesError):
+            ckpt.save(6, {"model": model_state(n=1)})
+    assert s3.client.get_object(Bucket=s3.bucket, Key=key)["Body"].read() == b"their weights"
+
+
+def test_ckptd_objects_left_without_claim_or_manifest_are_taken(s3: S3Place):
+    """What a clean-up cut short leaves (the claim and manifest gone, a shard and the ckptd
+    state file left) is garbage to the next save of that step."""
+    with ckptd.Checkpointer(s3.url(), storage_options=s3.options()) as ckpt:
+        ckpt.save(2, {"model": model_state(n=1)})
+        for name in ("checkpoint_manifest.json", ".ckptd-claim"):
+            s3.client.delete_object(Bucket=s3.bucket, Key=f"run/checkpoint-2/{name}")
+        assert ckpt.steps() == []
+        ckpt.save(2, {"model": model_state(n=1, seed=4)})  # neither CheckpointExistsError nor ForeignFilesError
+        assert_same(model_state(n=1, seed=4), ckpt.load(2, verify=True)["model"])
