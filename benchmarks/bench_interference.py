@@ -499,7 +499,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_loops(args: argparse.Namespace) -> Iterator[StepLoop]:
-    """The training loops of ``--shapes``, in order, each built (and timed) when its turn comes."""
+    """The training loops of ``--shapes``, in order, each built (and its step timed) in turn."""
     for kind in args.shapes:
         if kind == "matmul":
             for step_ms in args.step_ms:
@@ -517,12 +517,16 @@ def main(argv: list[str] | None = None) -> int:
     print("command:", command)
     print("machine:", ", ".join(f"{k}={v}" for k, v in machine.items()))
     try:
+        # Every loop is built (and its step timed) first, on a quiet machine: a shape timed right
+        # after the previous shape's saves met the host still busy with their writes (one
+        # 1024^2 matmul took 20+ ms instead of 14 there, and "~30 ms" got 1 matmul instead of 2).
+        loops = timed_phase("timing the step shapes", lambda: list(make_loops(args)))
         state = timed_phase("building state", lambda: build_state(args.gib))
         total = state_bytes(state)
         count = sum(1 for _ in iter_tensors(state))
         print(f"state: {total / GIB:.3f} GiB, {count} tensors")
         results: list[Interference] = []
-        for loop in make_loops(args):
+        for loop in loops:
             shape = loop.label
             print(f"step: {shape}: {loop.describe()}, torch threads {torch.get_num_threads()}")
             with ExitStack() as stack:

@@ -8,11 +8,12 @@ torch optimizer).  Intervals between steps while no save is being written form t
 writer to slow down (it halves its rate, see :mod:`ckptd.writer.throttle`; twice when the
 median is more than twice as far over 1.0 as the limit, e.g. 1.2x for 1.10x), one below
 ``relax`` (1.03x) lets it speed up again, and in between "hold" keeps the limit (only after a
-"slower": an unthrottled writer is told nothing).  A "slower" that did not make the next window
-at least 3% faster shows the writer is not what slows training (another process, the data
-loader): the limit is released and that save is left alone.  A throttled writer that hears
-nothing for a while (nobody trains) lifts the limit by itself.  The step that spans the start of
-a write (it holds the ``async_save`` call) is not counted.
+"slower": an unthrottled writer is told nothing).  A "slower" after which neither of the next
+two windows is at least 3% faster (the first may still hold writes issued at the old rate; it
+gets a "hold") shows the writer is not what slows training (another process, the data loader):
+the limit is released and that save is left alone.  A throttled writer that hears nothing for a
+while (nobody trains) lifts the limit by itself.  The step that spans the start of a write (it
+holds the ``async_save`` call) is not counted.
 
 The writer remembers the limit it was last given.  A save whose write starts while training goes
 on (a step began less than :data:`~ckptd.writer.throttle.QUIET_SECONDS` before) starts at that
@@ -37,7 +38,8 @@ __all__ = ["BASELINE_STEPS", "WINDOW_STEPS", "StepMonitor"]
 BASELINE_STEPS = 16
 WINDOW_STEPS = 4
 _MIN_BASELINE = 4  # steps without a save needed before any decision
-_HELPED = 0.97  # after a "slower", the next window must be at least 3% faster to go on
+_HELPED = 0.97  # after a "slower", a window must be at least 3% faster to go on
+_GRACE_WINDOWS = 1  # windows after a "slower" that may be no faster before the writer is let go
 
 
 class StepMonitor:
@@ -62,6 +64,7 @@ class StepMonitor:
         self._writing = 0
         self._slowed = False  # "slower" was sent during the current write
         self._slowed_at: float | None = None  # the step-time ratio that made the last "slower"
+        self._unhelped = 0  # windows since the last "slower" that were not faster than it
         self._gave_up = False  # slowing down did not help this write: leave it alone
         self._limited = False  # a "slower" was ever sent: the writer may have a limit to resume
         self.sent: deque[str] = deque(maxlen=256)  # the last actions sent, in order
@@ -93,6 +96,7 @@ class StepMonitor:
             # limit alive: a writer that hears nothing lifts it).  Only a "slower" sets a limit.
             self._slowed = training and self._limited
             self._slowed_at = None
+            self._unhelped = 0
             self._gave_up = False
             self._window.clear()
             self._last = None  # the step in progress holds the async_save call: not counted
@@ -124,15 +128,21 @@ class StepMonitor:
             if self._gave_up:
                 return
             if ratio > self.limit and self._slowed_at is not None and ratio > self._slowed_at * _HELPED:
-                # Slowing the writer down did not make the steps faster: it is not the cause.
-                actions = ["release"]
-                self._gave_up = True
+                if self._unhelped < _GRACE_WINDOWS:
+                    # Not faster yet: the writes in flight when the rate fell still go at full speed.
+                    actions = ["hold"]
+                    self._unhelped += 1
+                else:
+                    # Slowing the writer down did not make the steps faster: it is not the cause.
+                    actions = ["release"]
+                    self._gave_up = True
             elif ratio > self.limit:
                 # Steps more than twice as far over the limit's margin: halve the rate twice.
                 far = ratio - 1 > 2 * (self.limit - 1)
                 actions = ["slower", "slower"] if far else ["slower"]
                 self._slowed = self._limited = True
                 self._slowed_at = ratio
+                self._unhelped = 0
             elif ratio < self.relax and self._slowed:
                 actions = ["faster"]
             elif self._slowed:

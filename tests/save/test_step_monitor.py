@@ -59,13 +59,26 @@ def test_a_slowdown_the_writer_does_not_cause_is_left_alone() -> None:
     steps.run(10, 0.010)
     steps.monitor.writing_started()
     steps.run(5, 0.020)  # 2.0x
-    steps.run(4, 0.020)  # no better after "slower": not the writer's doing
+    steps.run(4, 0.020)  # no better after "slower": writes issued before it may still be in flight
+    assert steps.sent == ["slower", "slower", "hold"]
+    steps.run(4, 0.020)  # no better in the second window either: not the writer's doing
     steps.run(12, 0.020)  # nothing more for this save
-    assert steps.sent == ["slower", "slower", "release"]
+    assert steps.sent == ["slower", "slower", "hold", "release"]
     steps.monitor.writing_finished()
     steps.monitor.writing_started()  # the next save is judged afresh
     steps.run(5, 0.020)
-    assert steps.sent == ["slower", "slower", "release", "slower", "slower"]
+    assert steps.sent == ["slower", "slower", "hold", "release", "slower", "slower"]
+
+
+def test_a_slowdown_that_helps_one_window_late_goes_on() -> None:
+    steps = Steps()
+    steps.run(10, 0.010)
+    steps.monitor.writing_started()
+    steps.run(5, 0.0125)  # 1.25x: "slower" twice
+    steps.run(4, 0.0125)  # no better yet (the writes in flight): "hold"
+    steps.run(4, 0.0108)  # 1.08x: better, within the limit: "hold" keeps the limit
+    steps.run(4, 0.0100)  # 1.0x: "faster"
+    assert steps.sent == ["slower", "slower", "hold", "hold", "faster"]
 
 
 def test_after_slowing_down_hold_then_faster() -> None:
