@@ -10,7 +10,8 @@ dtypes and shapes (``torch.empty_like``, pages faulted in once). Then, on that o
   references ``verify=True`` (CRC32C of every file read, a pass of its own) and, cold,
   ``CKPTD_DIRECT_READS=1`` (O_DIRECT reads), against the **read floor** of ``floors.py`` (of
   its methods, ``os.preadv`` of each file's data section straight into the targets from one
-  thread or 4, and cold, O_DIRECT blocks copied into them, the one with the lowest median over
+  thread, from 4 over 32 MiB slices or from 4 over one contiguous share each, and cold, O_DIRECT
+  blocks copied into them, the one with the lowest median over
   the repeats; the fastest method of each repeat is reported beside it as a reference) and the
   user-facing baseline, which
   opens every ``*.safetensors`` file of the checkpoint with ``safetensors.safe_open(path, "pt")``
@@ -157,10 +158,11 @@ def direct_reads(value: str | None) -> Iterator[None]:
 
 
 FLOOR_METHODS = {
-    "warm": ["read floor 1 thread", f"read floor {READ_THREADS} threads"],
+    "warm": ["read floor 1 thread", f"read floor {READ_THREADS} threads", f"read floor {READ_THREADS} shares"],
     "cold": [
         "read floor 1 thread",
         f"read floor {READ_THREADS} threads",
+        f"read floor {READ_THREADS} shares",
         f"read floor O_DIRECT {READ_THREADS} threads",
     ],
 }
@@ -200,6 +202,7 @@ def bench_full_loads(
         "read floor 1 thread": floor.read,
         f"read floor {READ_THREADS} threads": lambda: floor.read(READ_THREADS),
         f"read floor O_DIRECT {READ_THREADS} threads": lambda: floor.read_direct(READ_THREADS),
+        f"read floor {READ_THREADS} shares": lambda: floor.read_shares(READ_THREADS),
         "safetensors": lambda: load_safetensors(files, targets),
     }
     per_kind = {

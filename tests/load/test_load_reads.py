@@ -319,3 +319,21 @@ def test_span_crcs_combine_to_the_whole_file_crc(tmp_path, monkeypatch):
             f.write(data)
         files.append(((lambda p=path: storage.open_reader(p)), size, crc32c(data)))
     assert verify.file_crcs([(opener, size) for opener, size, _ in files]) == [crc for _, _, crc in files]
+
+
+def test_a_large_page_cache_read_is_one_long_task_per_read_thread():
+    """1 GiB in 301 ranges, cut as a load cuts them: one task per read thread, each a run of
+    consecutive ranges (long sequential streams read cold files faster than 32 MiB tasks); small
+    loads keep 32 MiB tasks."""
+    sizes = [(i % 7 + 1) * 1_000_000 for i in range(300)]
+    sizes.append(2**30 - sum(sizes))
+    buffer = memoryview(bytearray(2**30))
+    requests, offset = [], 0
+    for size in sizes:
+        requests.append((offset, buffer[offset : offset + size]))
+        offset += size
+    pieces = direct.cut_pieces(requests, direct.DIRECT_RUN)
+    batches = direct._batches(pieces, direct._batch_bytes(offset))
+    assert len(batches) == direct.READ_THREADS
+    assert [p for batch in batches for p in batch] == pieces  # every range once, in file order
+    assert direct._batch_bytes(40 * 2**20) == 32 * 2**20  # a small load: at least 32 MiB per task
