@@ -11,9 +11,8 @@ dtypes and shapes (``torch.empty_like``, pages faulted in once). Then, on that o
   ``CKPTD_DIRECT_READS=1`` (O_DIRECT reads), against the **read floor** of ``floors.py`` (of
   its methods, ``os.preadv`` of each file's data section straight into the targets from one
   thread, from 4 over 32 MiB slices or from 4 over one contiguous share each, and cold, O_DIRECT
-  blocks copied into them, the one with the lowest median over
-  the repeats; the fastest method of each repeat is reported beside it as a reference) and the
-  user-facing baseline, which
+  blocks copied into them, the one with the lowest median over the repeats; the fastest method
+  of each repeat is reported beside it as a reference) and the user-facing baseline, which
   opens every ``*.safetensors`` file of the checkpoint with ``safetensors.safe_open(path, "pt")``
   and does ``targets[component][key].copy_(f.get_tensor(key))`` for every key (the component of
   a file comes from the checkpoint's ``<component>.safetensors.index.json``);
@@ -231,7 +230,7 @@ def bench_full_loads(
     for kind in ("warm", "cold"):
         # The floor is the read-floor method with the lowest median: the best I/O method, timed in
         # every repeat.  The fastest method of each repeat (kept as a reference) picks the luckiest
-        # of three draws, which on a disk whose cold reads vary 2x between repeats is biased low
+        # of several draws, which on a disk whose cold reads vary 2x between repeats is biased low
         # against ckptd's one draw.
         best = min(FLOOR_METHODS[kind], key=lambda name: statistics.median(samples[f"{name} {kind}"].values))
         floor_methods[kind] = best

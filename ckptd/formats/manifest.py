@@ -48,8 +48,9 @@ __all__ = [
 FORMAT_NAME = "ckptd"
 FORMAT_VERSION = 1
 MAX_DIMENSION = 2**62
-STATE_FORMAT = "ckptd-state"  # the "format" field of every state.json a save writes
 """Largest tensor dimension (and byte offset) a manifest may state."""
+STATE_FORMAT = "ckptd-state"
+"""The ``"format"`` field of every ``state.json`` a save writes."""
 _MAX_RANK = 64
 _CHECKSUM_KEY = "checksum"
 _ZEROS = tuple((0,) * rank for rank in range(_MAX_RANK + 1))  # the offset of a whole tensor, by rank

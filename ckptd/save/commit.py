@@ -225,18 +225,26 @@ def _our_file_name(name: str) -> bool:
     return name.endswith(".safetensors") or name.endswith(".safetensors.index.json") or name in _OUR_FILES
 
 
+def _is_our_state_file(data: bytes) -> bool:
+    """Whether ``data`` is a ckptd state file (JSON with ``"format": "ckptd-state"``): every save
+    writes one, and safetensors files alone do not say whose they are."""
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("format") == STATE_FORMAT
+
+
 def _holds_our_state_file(directory: str) -> bool:
-    """Whether ``directory`` holds a ckptd state file (``state.json`` with ``"format":
-    "ckptd-state"``): every save writes one, and safetensors files alone do not say whose they are."""
+    """Whether ``directory`` holds a ckptd state file (a regular file, not a link)."""
     path = os.path.join(directory, STATE_NAME)
     try:
         if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > _MAX_STATE_BYTES:
             return False
         with open(path, "rb") as f:
-            body = json.loads(f.read())
-    except (OSError, ValueError):
+            return _is_our_state_file(f.read())
+    except OSError:
         return False
-    return isinstance(body, dict) and body.get("format") == STATE_FORMAT
 
 
 def _uncommitted_files_of_ours(directory: str, names: list[str]) -> bool:
@@ -244,7 +252,6 @@ def _uncommitted_files_of_ours(directory: str, names: list[str]) -> bool:
     (garbage to a save): it holds a ckptd state file, and every other entry is a name a ckptd save
     writes (shards, indexes, the claim; shards in ``key_layout="spread"`` subdirectories).  A
     directory of safetensors files and indexes alone may be anyone's export, and is not taken."""
-
     if STATE_NAME not in names or not _holds_our_state_file(directory):
         return False
     for name in names:
@@ -270,12 +277,8 @@ def check_object_prefix(storage: Storage, final_dir: str) -> None:
     if not names or MANIFEST_NAME in names or CLAIM_NAME in names:
         return
     if STATE_NAME in names and all(_SPREAD_DIRECTORY.match(n) or _our_file_name(n) for n in names):
-        path = storage.join(final_dir, STATE_NAME)
-        try:
-            body = json.loads(storage.read_bytes(path)) if storage.size(path) <= _MAX_STATE_BYTES else None
-        except ValueError:  # not JSON: not ours (a store that cannot be read raises StorageError)
-            body = None
-        if isinstance(body, dict) and body.get("format") == STATE_FORMAT:
+        path = storage.join(final_dir, STATE_NAME)  # a store that cannot be read raises StorageError
+        if storage.size(path) <= _MAX_STATE_BYTES and _is_our_state_file(storage.read_bytes(path)):
             return
     raise ForeignFilesError(
         f"{final_dir} holds objects that are not a ckptd checkpoint; ckptd writes only into empty "
