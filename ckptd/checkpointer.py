@@ -225,7 +225,9 @@ class Checkpointer:
         ``keep_last`` unless they are named ``checkpoint-<step>`` under the root.  A local
         ``path`` may be new, an empty directory or a checkpoint (``overwrite=True``); a
         directory of other files is never replaced, whatever ``overwrite`` says
-        (:class:`~ckptd.errors.CheckpointExistsError` before anything is written).
+        (:class:`~ckptd.errors.ForeignFilesError`, a ``CheckpointExistsError``, before anything
+        is written).  On object stores a prefix holding objects that are not ckptd's is refused
+        the same way, from ``wait()``.
 
         Raises before anything is written if the state holds values that cannot be stored
         (:class:`~ckptd.errors.UnsupportedValueError`), the sharding is invalid

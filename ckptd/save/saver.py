@@ -215,8 +215,8 @@ class Saver:
         def describe() -> Payload:
             flats.extend(self.describer.flatten(state, sharing or {}, allow_pickle, frozen or {}))
             # Local stores: refuse an existing step, or someone's files at a chosen path, now (a
-            # stat).  Object stores learn it from the create-only claim in the completion
-            # thread, off the caller's critical path.
+            # stat).  Object stores learn it from the prefix listing and the create-only claim
+            # in the completion thread (claim_step), off the caller's critical path.
             if self.describer.is_coordinator and self.storage.local:
                 check_destination(final, overwrite=overwrite)
             return self.describer.payload(flats, step, self.incremental.last_path)

@@ -44,10 +44,12 @@ def consolidate(
     An existing checkpoint at ``destination`` raises :class:`~ckptd.errors.CheckpointExistsError`
     before anything is read, unless ``overwrite=True``: then it is replaced once the new one is
     complete (on local disks in one atomic swap, so ``destination`` is the old or the new
-    checkpoint at every moment).  A local ``destination`` that exists and is anything but a
-    checkpoint or an empty directory is never replaced (:class:`~ckptd.errors.ForeignFilesError`,
-    whatever ``overwrite`` says: see :func:`ckptd.save.commit.check_destination`), and ``destination``
-    may not be ``source`` (``ConfigError``).
+    checkpoint at every moment).  A ``destination`` that holds anything but a checkpoint (a local
+    directory that is not empty, an object-store prefix with objects that are not ckptd's) is
+    never replaced or written into (:class:`~ckptd.errors.ForeignFilesError`, whatever
+    ``overwrite`` says: see :func:`ckptd.save.commit.check_destination` and
+    :func:`~ckptd.save.commit.check_object_prefix`), and ``destination`` may not be ``source``
+    (``ConfigError``).
     """
     reader = CheckpointReader.open(source, storage_options, require_manifest=True)
     manifest = reader.manifest
