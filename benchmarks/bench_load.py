@@ -22,7 +22,9 @@ dtypes and shapes (``torch.empty_like``, pages faulted in once). Then, on that o
     with ``os.posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)``; ``read_bytes`` of
     ``/proc/self/io`` shows how much really came from the disk;
 
-  the loaders rotate which goes first in each repeat; ckptd's ratio to the floor is the
+  the loaders rotate which goes first in each repeat, and every timed load comes right after
+  the same untimed one (the floor's 1-thread read, dropped from the cache first for a cold
+  load: a load's predecessor changes its time); ckptd's ratio to the floor is the
   median of the per-repeat ratios (``--cold-repeats``, at least 7 by default: this disk's
   cold reads vary 2x between repeats);
 * **partial load**: ``ckpt.load(step, keys=[...])`` of every 10th tensor (10% of the tensors);
@@ -219,7 +221,13 @@ def bench_full_loads(
         for i in range(repeats[kind]):
             order = names[i % len(names) :] + names[: i % len(names)]
             for name in order:
-                seconds, read_bytes = time_load(loaders[name], all_files if kind == "cold" else None)
+                drop = all_files if kind == "cold" else None
+                # Every timed load comes right after the same untimed one: a load's predecessor
+                # changes its time (cold loads after a safe_open load took 0.63 s against 0.26 s
+                # after a 1-thread read, ckptd and the floor alike), and rotating a fixed order
+                # gives every loader the same predecessor in every repeat.
+                time_load(floor.read, drop)
+                seconds, read_bytes = time_load(loaders[name], drop)
                 samples[f"{name} {kind}"].add(seconds)
                 disk_reads[f"{name} {kind}"].append(read_bytes)
                 print(

@@ -9,9 +9,9 @@ step) of about ``--gib`` GiB and measures, in one run:
   memfd-shared and anonymous memory, the faster) for the blocking time and the **write floor**
   (O_DIRECT from one page-aligned buffer + fsync, and buffered + fsync, the faster) for the time
   to committed; the ratios reported are medians of the per-pair ratios;
-* before every timed write (each write floor method, each save of ckptd, safetensors and DCP):
-  ``sync`` and a pause of ``--settle`` seconds (``floors.settle_disk``), so that no side pays for
-  the disk work of the measurement before it;
+* before every timed copy and write (each floor method, each save of ckptd, safetensors and DCP):
+  ``sync``, a pause of ``--settle`` seconds and 0.1 s of matrix products (``floors.settle_machine``),
+  so that no side pays for the disk work of the measurement before it or starts on an idle CPU;
 * user-facing baselines (what a user would otherwise do, not floors): ``copy_`` into
   ``torch.empty_like`` tensors, and ``safetensors.torch.save_file`` + ``fsync`` of the flat state;
 * ckptd ``Checkpointer.async_save``: blocking time and time until the commit, first save
@@ -260,7 +260,7 @@ class Floors:
     def __init__(self, state: State, bench_dir: str, settle: float = 0.0) -> None:
         from floors import CopyFloor, WriteFloor
 
-        self.copy = CopyFloor(t for _, t in iter_tensors(state))
+        self.copy = CopyFloor((t for _, t in iter_tensors(state)), settle)
         self.copy.measure()  # warm-up: first touches, allocator
         self.write = WriteFloor(self.copy.anonymous, self.copy.nbytes, bench_dir, settle=settle)
         self.write.measure()  # warm-up: the first large write of a process is slower on some machines
@@ -282,13 +282,17 @@ class Floors:
         self.copy.close()
 
 
-def bench_copy_baseline(state: State, repeats: int) -> Samples:
-    """User-facing baseline: seconds to ``copy_`` every tensor into ``torch.empty_like`` tensors."""
+def bench_copy_baseline(state: State, repeats: int, settle: float = 0.0) -> Samples:
+    """User-facing baseline: seconds to ``copy_`` every tensor into ``torch.empty_like`` tensors
+    (each copy after ``floors.settle_machine``, as every timed copy)."""
+    from floors import settle_machine
+
     pairs = [(src, torch.empty_like(src)) for _, src in iter_tensors(state)]
     for src, dst in pairs:  # warm-up: fault the destination pages in
         dst.copy_(src)
     samples = Samples("copy_ into empty_like")
     for _ in range(repeats):
+        settle_machine(settle)
         started = time.perf_counter()
         for src, dst in pairs:
             dst.copy_(src)
@@ -309,14 +313,14 @@ def fsync_path(path: str) -> None:
 
 def bench_safetensors(state: State, bench_dir: str, repeats: int, settle: float = 0.0) -> Samples:
     """Seconds for ``safetensors.torch.save_file`` of the flat state plus an fsync."""
-    from floors import settle_disk
+    from floors import settle_machine
     from safetensors.torch import save_file
 
     flat = dict(iter_tensors(state))
     path = os.path.join(bench_dir, "state.safetensors")
     samples = Samples("safetensors save_file+fsync")
     for _ in range(repeats):
-        settle_disk(settle)
+        settle_machine(settle)
         started = time.perf_counter()
         save_file(flat, path)
         fsync_path(path)
@@ -421,16 +425,16 @@ def bench_ckptd(
     right after the constructor and its time is counted in the setup (and so in the first total).
     With ``floors``, the floors are measured right before each save (before the constructor for
     the first one), so every save has its own floor pair.  ``settle`` seconds of
-    ``floors.settle_disk`` come before each save's clock starts, as before each floor's write.
+    ``floors.settle_machine`` come before each save's clock starts, as before each floor's write.
     """
-    from floors import settle_disk
+    from floors import settle_machine
 
     import ckptd
 
     run = new_save_run(label)
     if floors is not None:
         run.floors.append(floors.measure())
-    settle_disk(settle)
+    settle_machine(settle)
     root = os.path.join(bench_dir, label.replace("[", "-").replace("]", ""))
     started = time.perf_counter()
     cpu_started = cpu_seconds()
@@ -451,7 +455,7 @@ def bench_ckptd(
             if not first:
                 if floors is not None:
                     run.floors.append(floors.measure())
-                settle_disk(settle)
+                settle_machine(settle)
                 started = time.perf_counter()
                 cpu_started = cpu_seconds()
             writer_pid = ckpt.writer_pid
@@ -558,7 +562,7 @@ def bench_dcp(state: State, bench_dir: str, repeats: int, settle: float = 0.0) -
     """DCP ``async_save`` (process mode, else thread mode) with a reused shared-memory stager."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from floors import settle_disk
+    from floors import settle_machine
     from torch.distributed.checkpoint.staging import DefaultStager
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -572,7 +576,7 @@ def bench_dcp(state: State, bench_dir: str, repeats: int, settle: float = 0.0) -
         step = 0
         while step <= repeats:
             first = step == 0
-            settle_disk(settle)
+            settle_machine(settle)
             started = time.perf_counter()
             if first:
                 stager = DefaultStager(options)
@@ -826,7 +830,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         baselines: dict[str, Samples] = {}
         baselines["copy"] = timed_phase(
-            "user-facing baseline: copy_ into empty_like", lambda: bench_copy_baseline(state, args.repeats)
+            "user-facing baseline: copy_ into empty_like", lambda: bench_copy_baseline(state, args.repeats, args.settle)
         )
         baselines["safetensors"] = timed_phase(
             "user-facing baseline: safetensors save_file+fsync",

@@ -11,12 +11,14 @@ belong to that configuration alone, and a configuration that takes too long can 
   tensors (default 300, 3000, 30000), all in one component.
 
 Per configuration: the first save (constructor, writer start, first plan and arena included:
-blocking and total), the median of ``--repeats`` warm saves (blocking = until ``async_save``
-returns, total = until the commit), and the writer process's ``VmRSS`` / ``VmHWM`` after the last
-save (``/proc/<writer_pid>/status``; the staging arena is a shared mapping the writer touches,
-so it is in the writer's RSS).  Every timed write (each floor method, each save) comes after
-``--settle`` seconds of ``sync`` + pause (``floors.settle_disk``), as in ``bench_save.py``, so a
-save does not pay for the disk work of the save or floor before it.  Per-tensor overhead = the
+blocking and total; in the count scan the median of ``--first-repeats`` first saves, each in a
+fresh process, the counts interleaved round by round), the median of ``--repeats`` warm saves
+(blocking = until ``async_save`` returns, total = until the commit), and the writer process's
+``VmRSS`` / ``VmHWM`` after the last save (``/proc/<writer_pid>/status``; the staging arena is a
+shared mapping the writer touches, so it is in the writer's RSS).  Every timed copy and write
+(each floor method, each save) comes after ``--settle`` seconds of ``sync`` + pause and 0.1 s of
+matrix products (``floors.settle_machine``), as in ``bench_save.py``, so a save does not pay for
+the disk work of the save or floor before it, nor start on an idle CPU.  Per-tensor overhead = the
 warm time's growth from the smallest to the largest count, divided by the added tensors.  A
 configuration that does not finish within ``--timeout`` seconds is reported as such.
 
@@ -80,7 +82,7 @@ def run_one(kind: str, gib: float, count: int, repeats: int, parent_dir: str, se
     """Measure one configuration in this process; returns the record the parent prints."""
     import torch
     from bench_save import Floors, build_state, iter_tensors, state_bytes
-    from floors import settle_disk
+    from floors import settle_machine
 
     import ckptd
 
@@ -94,7 +96,7 @@ def run_one(kind: str, gib: float, count: int, repeats: int, parent_dir: str, se
     try:
         if floors is not None:
             record["floors"].append(floors.measure())
-        settle_disk(settle)
+        settle_machine(settle)
         started = time.perf_counter()
         ckpt = ckptd.Checkpointer(os.path.join(bench_dir, "ckpt"), max_shard_size="2GB")
         try:
@@ -102,7 +104,7 @@ def run_one(kind: str, gib: float, count: int, repeats: int, parent_dir: str, se
                 if step:
                     if floors is not None:
                         record["floors"].append(floors.measure())
-                    settle_disk(settle)
+                    settle_machine(settle)
                     started = time.perf_counter()
                 call = time.perf_counter()
                 request = ckpt.async_save(step, state)
@@ -131,19 +133,24 @@ def run_one(kind: str, gib: float, count: int, repeats: int, parent_dir: str, se
 # ---- parent --------------------------------------------------------------------------------
 
 
-def run_child(kind: str, gib: float, count: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one configuration in a child process; a record with ``"timeout"`` if it took too long.
+def run_child(
+    kind: str, gib: float, count: int, args: argparse.Namespace, repeats: int | None = None
+) -> dict[str, Any]:
+    """Run one configuration in a child process (``repeats`` warm saves after the first, default
+    ``--repeats``); a record with ``"timeout"`` if it took too long.
 
     The child works in a directory made here and removed here, so that a child stopped at its
     timeout (killed before its own clean-up) leaves nothing behind."""
     workdir = tempfile.mkdtemp(prefix="ckptd-bench-scaling-", dir=args.dir)
     try:
-        return _run_child_in(kind, gib, count, args, workdir)
+        return _run_child_in(kind, gib, count, args, workdir, args.repeats if repeats is None else repeats)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _run_child_in(kind: str, gib: float, count: int, args: argparse.Namespace, workdir: str) -> dict[str, Any]:
+def _run_child_in(
+    kind: str, gib: float, count: int, args: argparse.Namespace, workdir: str, repeats: int
+) -> dict[str, Any]:
     command = [
         sys.executable,
         os.path.abspath(__file__),
@@ -152,7 +159,7 @@ def _run_child_in(kind: str, gib: float, count: int, args: argparse.Namespace, w
         str(gib),
         str(count),
         "--repeats",
-        str(args.repeats),
+        str(repeats),
         "--dir",
         workdir,
         "--settle",
@@ -186,12 +193,13 @@ def summarise(record: dict[str, Any]) -> dict[str, Any]:
     if "timeout" in record:
         return record
     warm = [s for s in record["saves"] if not s["first"]]
-    first = next(s for s in record["saves"] if s["first"])
+    firsts = [s for s in record["saves"] if s["first"]]  # more than one with --first-repeats
     out = {
         **{k: record[k] for k in ("kind", "bytes", "tensors", "gib")},
-        "first_blocking": first["blocking"],
-        "first_total": first["total"],
-        "first_plan": first["timings"].get("plan"),
+        "first_saves": len(firsts),
+        "first_blocking": statistics.median(s["blocking"] for s in firsts),
+        "first_total": statistics.median(s["total"] for s in firsts),
+        "first_plan": statistics.median(s["timings"].get("plan", 0.0) for s in firsts),
         "warm_blocking": statistics.median(s["blocking"] for s in warm),
         "warm_total": statistics.median(s["total"] for s in warm),
         "warm_plan": statistics.median(s["timings"].get("plan", 0.0) for s in warm),
@@ -324,6 +332,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--counts", default="300,3000,30000", help="tensor counts (default 300,3000,30000)")
     parser.add_argument("--count-gib", type=float, default=0.25, help="total size of the count scan (default 0.25)")
     parser.add_argument("--repeats", type=int, default=3, help="warm saves per configuration (default 3)")
+    parser.add_argument(
+        "--first-repeats",
+        type=int,
+        default=3,
+        help="first saves per tensor count, each in a fresh process, rounds interleaved (default 3)",
+    )
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds per configuration (default 150)")
     parser.add_argument("--dir", default="/work", help="parent of the benchmark directories (default /work)")
     parser.add_argument(
@@ -336,8 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="also write every record as JSON")
     parser.add_argument("--one", nargs=3, metavar=("KIND", "GIB", "COUNT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.settle < 0:
-        parser.error("--repeats must be >= 1 and --settle >= 0")
+    if args.repeats < (0 if args.one else 1) or args.first_repeats < 1 or args.settle < 0:
+        parser.error("--repeats and --first-repeats must be >= 1 and --settle >= 0")
     return args
 
 
@@ -357,7 +371,19 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter()
     # An empty list skips its scan (--sizes "" measures only the tensor counts).
     records = [run_child("size", float(g), 0, args) for g in args.sizes.split(",") if g]
-    records += [run_child("count", args.count_gib, int(c), args) for c in args.counts.split(",") if c]
+    counts_wanted = [int(c) for c in args.counts.split(",") if c]
+    by_count = {c: run_child("count", args.count_gib, c, args) for c in counts_wanted}
+    # More first saves per count (a first save is one draw on a noisy disk), each in a fresh
+    # process with no warm save, the counts interleaved round by round.
+    for _ in range(args.first_repeats - 1):
+        for c in counts_wanted:
+            record = by_count[c]
+            if "timeout" in record:
+                continue
+            extra = run_child("count", args.count_gib, c, args, repeats=0)
+            if "timeout" not in extra:
+                record["saves"].extend(extra["saves"])
+    records += list(by_count.values())
     rows = [summarise(r) for r in records]
     counts = [r for r in rows if r["kind"] == "count"]
     overhead = {attr: per_tensor(counts, attr) for attr in ("warm_blocking", "warm_total", "first_total")}

@@ -27,10 +27,13 @@ floor, ours) so that a noisy machine moves both sides of each pair together.
   and cold (``posix_fadvise(DONTNEED)`` on every file first; the bytes really read from the
   disk are taken from ``read_bytes`` in ``/proc/self/io``).
 
-Before every timed write, the floor's and ckptd's alike, the benchmarks call :func:`settle_disk`:
-on this machine a write that starts right after another one (and after the ``discard`` of the
-file it deleted) pays for the host's work on that one, and the order of the measurements must
-not decide which side pays.
+Before every timed copy and write, the floor's and ckptd's alike, the benchmarks call
+:func:`settle_machine`: on this machine a write that starts right after another one (and after the
+``discard`` of the file it deleted) pays for the host's work on that one, and the first 0.1 s of
+copying after a pause or a disk-bound phase runs about 25% slower than the next (1 GiB copied into
+either kind of memory: 0.100-0.102 s first, 0.079 s right after); the order of the measurements
+must not decide which side pays.  The read benchmark gives every timed load the same untimed load
+before it, for the same reason.
 
 One-line descriptions of each method are in :data:`METHODS` (``run_all.py`` prints them).
 """
@@ -57,7 +60,8 @@ __all__ = [
     "WriteFloor",
     "drop_from_page_cache",
     "proc_io",
-    "settle_disk",
+    "settle_machine",
+    "warm_cpu",
 ]
 
 PAGE = mmap.PAGESIZE
@@ -72,12 +76,13 @@ DIRECT_BLOCK = 8 * 1024**2
 METHODS = {
     "copy": (
         "copy_ of every tensor, in address order, into views of one pre-faulted buffer, the faster of a memfd "
-        "MAP_SHARED mapping (fallocated + MAP_POPULATE, the arena's kind of memory) and anonymous MAP_POPULATE memory"
+        "MAP_SHARED mapping (fallocated + MAP_POPULATE, the arena's kind of memory) and anonymous MAP_POPULATE memory; "
+        "sync + a settle pause + 0.1 s of matmuls before each timed copy, the floor's and ckptd's alike"
     ),
     "write": (
         "all bytes in one page-aligned buffer, 16 MiB pwrites to one new file + fsync, the fastest of buffered "
         "then O_DIRECT twice (the last write before a timed save is an O_DIRECT one, as before the floor's "
-        "second); sync + a settle pause before each timed write, the floor's and ckptd's alike"
+        "second); sync + a settle pause + 0.1 s of matmuls before each timed write, the floor's and ckptd's alike"
     ),
     "read": (
         "os.preadv of each safetensors data section straight into the preallocated targets, the fastest of one "
@@ -102,14 +107,34 @@ def proc_io() -> dict[str, int]:
         return {k: int(v) for k, v in (line.split(":") for line in f)}
 
 
-def settle_disk(seconds: float) -> None:
-    """Flush every dirty page (``sync``), then wait ``seconds``, so that the disk work of the
-    previous measurement (its writeback, the ``discard`` of the files it deleted, the host's own
-    work behind the virtual disk, which the guest cannot see) does not land on the next one.
-    Called before every timed write, floors and ckptd alike; ``seconds <= 0`` does nothing."""
+def settle_machine(seconds: float) -> None:
+    """Flush every dirty page (``sync``), wait ``seconds``, then :func:`warm_cpu`.
+
+    The flush and the pause keep the disk work of the previous measurement (its writeback, the
+    ``discard`` of the files it deleted, the host's own work behind the virtual disk, which the
+    guest cannot see) off the next one; ``seconds <= 0`` skips them.  The warm-up always runs: a
+    save follows a training step, not an idle CPU, and the timed work must not start cold.
+    Called before every timed copy and write, floors and ckptd alike."""
     if seconds > 0:
         os.sync()
         time.sleep(seconds)
+    warm_cpu()
+
+
+WARM_CPU_SECONDS = 0.1
+_WARM_SIDE = 512
+
+
+def warm_cpu(seconds: float = WARM_CPU_SECONDS) -> None:
+    """``seconds`` of 512x512 fp32 matrix products on torch's threads (a small training step).
+
+    On this VM the first 0.1 s of copying after a pause or a disk-bound phase ran about 25% slower
+    than the copy right after it (1 GiB: 0.100-0.102 s against 0.079 s, shared and anonymous
+    memory alike); after this warm-up the first copy ran at the second's speed (0.078 s)."""
+    matrix = torch.ones(_WARM_SIDE, _WARM_SIDE)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        torch.mm(matrix, matrix)
 
 
 def drop_from_page_cache(paths: Iterable[str]) -> None:
@@ -148,7 +173,8 @@ class CopyFloor:
     page-aligned: :class:`WriteFloor` writes from it.
     """
 
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+    def __init__(self, tensors: Iterable[torch.Tensor], settle: float = 0.0) -> None:
+        self.settle = settle  # seconds of settle_machine() before each timed copy
         # Address order: the copy then reads the sources and writes the buffer front to back (in a
         # state's own order the reads jump between tensors allocated in another order; ckptd's
         # arena order can happen to match the addresses, and the floor must not lose to it).
@@ -170,8 +196,10 @@ class CopyFloor:
             ]
 
     def copy(self, kind: str) -> float:
-        """Seconds to copy every tensor into the ``kind`` buffer (``shared`` or ``anonymous``)."""
+        """Seconds to copy every tensor into the ``kind`` buffer (``shared`` or ``anonymous``),
+        after :func:`settle_machine` (untimed), as ckptd's timed save comes after one."""
         pairs = self._targets[kind]
+        settle_machine(self.settle)
         started = time.perf_counter()
         for src, dst in pairs:
             dst.copy_(src)
@@ -214,12 +242,12 @@ class WriteFloor:
         self.nbytes = nbytes
         self.path = os.path.join(directory, "write-floor.bin")
         self.direct_ok = hasattr(os, "O_DIRECT")
-        self.settle = settle  # seconds of settle_disk() before each timed write
+        self.settle = settle  # seconds of settle_machine() before each timed write
 
     def write(self, direct: bool) -> float:
         """Seconds to create the file, write every byte, (truncate,) fsync and close it (after
-        :func:`settle_disk`, untimed)."""
-        settle_disk(self.settle)
+        :func:`settle_machine`, untimed)."""
+        settle_machine(self.settle)
         view = memoryview(self.buffer)
         length = _round_up(self.nbytes, DIRECT_ALIGNMENT) if direct else self.nbytes
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
