@@ -11,12 +11,15 @@ users read them; the work is in :mod:`ckptd.save` and :mod:`ckptd.load`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -123,15 +126,31 @@ class Checkpointer:
             dist=self._dist,
             steps=self._steps,
         )
-        self._jobs: queue.Queue[SaveJob | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[Checkpointer, SaveJob] | None] = queue.Queue()
         self._pending: list[SaveRequest] = []
         self._pending_lock = threading.Lock()
         self._save_lock = threading.Lock()
         self._closed = False
-        self._completer = threading.Thread(target=self._complete_jobs, name="ckptd-commit", daemon=True)
+        # The threads hold no reference to the Checkpointer (a queued save holds one until it is
+        # done), so one that is dropped without close() is collected and _release stops its writer.
+        self._completer = threading.Thread(target=_complete_jobs, args=(self._jobs,), name="ckptd-commit", daemon=True)
         self._completer.start()
-        threading.Thread(target=self._start_writer, name="ckptd-writer-start", daemon=True).start()
+        threading.Thread(target=_start_writer, args=(self._writer,), name="ckptd-writer-start", daemon=True).start()
         self._atexit = bind_to_process(self)  # close() at exit; forget_after_fork() in a fork child
+        self._finalizer = weakref.finalize(
+            self,
+            _release,
+            repr(self),
+            self._owner_pid,
+            self._jobs,
+            self._completer,
+            (self._saver, self._steps, self._writer, self._pool),
+            self._cleanup,
+            self.options.cleanup_timeout,
+            self._atexit,
+            collected=True,
+        )
+        self._finalizer.atexit = False  # the exit hook closes it, waiting for its saves
 
     # ---- paths and listing -----------------------------------------------------------------
 
@@ -261,7 +280,9 @@ class Checkpointer:
             )
         with self._pending_lock:
             self._pending.append(job.request)
-        self._jobs.put(job)  # pipelined: the writer starts on the first chunks while the copy goes on
+        # pipelined: the writer starts on the first chunks while the copy goes on.  The queued
+        # entry keeps the Checkpointer alive until the completion thread is done with the save.
+        self._jobs.put((self, job))
         if mode != "background":
             self._saver.finish_staging(job)
         return job.request
@@ -318,30 +339,21 @@ class Checkpointer:
         if self._steps is not None and self._pending:
             self._steps.release()
 
-    def _start_writer(self) -> None:
-        try:
-            self._writer.ensure_running()
-        except CkptdError as e:  # reported again by the first save
-            logger.warning("ckptd writer did not start: %s", e)
-
     # ---- completion (background thread) ----------------------------------------------------
 
-    def _complete_jobs(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                result = self._saver.complete(job)
-            except BaseException as e:  # noqa: BLE001 - stored in the request, raised by wait()
-                logger.error("ckptd: save of step %s to %s failed: %s", job.request.step, job.request.path, e)
-                job.request._set_exception(e)
-            else:
-                job.request._set_result(result)
-            finally:
-                with self._pending_lock:
-                    if job.request in self._pending:
-                        self._pending.remove(job.request)
+    def _complete(self, job: SaveJob) -> None:
+        """Write and commit one queued save (on the completion thread); its request gets the outcome."""
+        try:
+            result = self._saver.complete(job)
+        except BaseException as e:  # noqa: BLE001 - stored in the request, raised by wait()
+            logger.error("ckptd: save of step %s to %s failed: %s", job.request.step, job.request.path, e)
+            job.request._set_exception(e)
+        else:
+            job.request._set_result(result)
+        finally:
+            with self._pending_lock:
+                if job.request in self._pending:
+                    self._pending.remove(job.request)
 
     def stats(self) -> StatsSummary:
         """Totals over this Checkpointer's finished saves (timings, bytes, retries: :mod:`ckptd.stats`)."""
@@ -467,17 +479,10 @@ class Checkpointer:
                     except Exception:  # noqa: BLE001 - already logged; raised by its own wait()
                         pass
         finally:
-            self._jobs.put(None)
-            if wait:
-                self._completer.join()
-            self._saver.close()
-            if self._steps is not None:
-                self._steps.close()
-            self._writer.close()
-            self._pool.close()
-            self._cleanup.drain(self.options.cleanup_timeout if wait else 0.0)
-            self._cleanup.close()
-            unbind(self._atexit)
+            parts = self._finalizer.detach()
+            if parts is not None:
+                _, release, args, _ = parts
+                release(*args, wait=wait)
 
     def _check_process(self) -> None:
         check_process(self._owner_pid, "Checkpointer")
@@ -498,3 +503,63 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root!r})"
+
+
+# ---- threads and release (no reference to the Checkpointer) ----------------------------------------
+
+
+def _start_writer(writer: WriterClient | InProcessWriter) -> None:
+    """Start the writer process ahead of the first save (on a thread of its own)."""
+    try:
+        writer.ensure_running()
+    except CkptdError as e:  # reported again by the first save
+        logger.warning("ckptd writer did not start: %s", e)
+
+
+def _complete_jobs(jobs: queue.Queue[tuple[Checkpointer, SaveJob] | None]) -> None:
+    """The completion thread: saves in the order they were queued, until ``None``."""
+    while True:
+        entry = jobs.get()
+        if entry is None:
+            return
+        owner, job = entry
+        owner._complete(job)
+        del entry, owner, job  # holding none while waiting lets a dropped Checkpointer be collected
+
+
+def _release(
+    name: str,
+    owner_pid: int,
+    jobs: queue.Queue[Any],
+    completer: threading.Thread,
+    parts: tuple[Saver, StepMonitor | None, WriterClient | InProcessWriter, StagingPool],
+    cleanup: Cleanup,
+    cleanup_timeout: float,
+    exit_hook: Callable[[], None],
+    *,
+    wait: bool = True,
+    collected: bool = False,
+) -> None:
+    """Stop a Checkpointer's completion thread, writer, arenas and clean-up: from ``close()``, or
+    (``collected``) when it was garbage-collected unclosed, then on a thread of its own (the
+    collection may happen on any thread, holding any lock), with a ResourceWarning."""
+    if os.getpid() != owner_pid:
+        return  # a fork() child: the parent's writer and arenas are the parent's
+    if collected:
+        args = (name, owner_pid, jobs, completer, parts, cleanup, cleanup_timeout, exit_hook)
+        threading.Thread(target=_release, args=args, name="ckptd-release", daemon=True).start()
+        with contextlib.suppress(Exception):  # -W error must not turn this into a leak
+            warnings.warn(f"{name} was not closed; its writer is stopped now", ResourceWarning, stacklevel=2)
+        return
+    saver, steps, writer, pool = parts
+    jobs.put(None)
+    if wait and completer is not threading.current_thread():
+        completer.join()
+    saver.close()
+    if steps is not None:
+        steps.close()
+    writer.close()
+    pool.close()
+    cleanup.drain(cleanup_timeout if wait else 0.0)
+    cleanup.close()
+    unbind(exit_hook)

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import queue
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from .catalog import CheckpointInfo, ManifestCache, list_checkpoints, remove_checkpoint
@@ -28,6 +27,7 @@ from .checkpointer import Checkpointer
 from .errors import CheckpointNotFoundError, ConfigError
 from .formats.json_files import parse_json, read_small_file
 from .request import SaveRequest
+from .retention import CheckpointPolicy, ranked_by_metric, select_kept
 
 __all__ = ["PRESERVED_NAME", "CheckpointManager", "CheckpointPolicy", "select_kept"]
 
@@ -35,89 +35,6 @@ logger = logging.getLogger(__name__)
 
 PRESERVED_NAME = ".ckptd-preserved.json"
 _DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
-
-
-@dataclass(frozen=True)
-class CheckpointPolicy:
-    """When to save and what to keep.
-
-    Saving (any trigger saves): ``every_steps`` (``step % every_steps == 0``), ``every_seconds``
-    (wall time since the last save), plus :meth:`CheckpointManager.request_save` and signals.
-
-    Retention (a checkpoint is kept if any rule keeps it; no rule at all keeps everything):
-    ``keep_last`` newest, every ``keep_every``-th step, the ``keep_best`` best by ``metric``
-    (``mode`` ``"min"`` or ``"max"``), and steps in ``preserve``.  The latest committed
-    checkpoint, and the best one when ``metric`` is set, are always kept.
-    """
-
-    every_steps: int | None = None
-    every_seconds: float | None = None
-    keep_last: int | None = None
-    keep_every: int | None = None
-    keep_best: int | None = None
-    metric: str | None = None
-    mode: str = "min"
-    preserve: frozenset[int] = field(default_factory=frozenset)
-
-    def __post_init__(self) -> None:
-        for name in ("every_steps", "keep_last", "keep_every", "keep_best"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"CheckpointPolicy.{name} must be a positive int or None, got {value!r}")
-        if self.every_seconds is not None and not self.every_seconds > 0:
-            raise ConfigError(f"CheckpointPolicy.every_seconds must be > 0, got {self.every_seconds!r}")
-        if self.mode not in ("min", "max"):
-            raise ConfigError(f"CheckpointPolicy.mode must be 'min' or 'max', got {self.mode!r}")
-        if self.keep_best is not None and self.metric is None:
-            raise ConfigError("CheckpointPolicy.keep_best needs metric= (the name of a metric passed to maybe_save)")
-        object.__setattr__(self, "preserve", frozenset(int(s) for s in self.preserve))
-
-    @property
-    def retains_all(self) -> bool:
-        return self.keep_last is None and self.keep_every is None and self.keep_best is None
-
-
-def _metric_value(info: CheckpointInfo, metric: str) -> float | None:
-    value = info.manifest.metrics.get(metric)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def _ranked(checkpoints: Iterable[CheckpointInfo], policy: CheckpointPolicy) -> list[CheckpointInfo]:
-    """Checkpoints carrying ``policy.metric``, best first (ties: the newer step first)."""
-    if policy.metric is None:
-        return []
-    scored = [(v, info) for info in checkpoints if (v := _metric_value(info, policy.metric)) is not None]
-    sign = 1.0 if policy.mode == "min" else -1.0
-    scored.sort(key=lambda pair: (sign * pair[0], -pair[1].step))
-    return [info for _, info in scored]
-
-
-def select_kept(checkpoints: list[CheckpointInfo], policy: CheckpointPolicy, preserved: Iterable[int] = ()) -> set[int]:
-    """The steps retention keeps among ``checkpoints`` (committed, any order)."""
-    steps = sorted(info.step for info in checkpoints)
-    if not steps:
-        return set()
-    if policy.retains_all:
-        return set(steps)
-    kept = {steps[-1]}  # the latest committed
-    if policy.keep_last is not None:
-        kept.update(steps[-policy.keep_last :])
-    if policy.keep_every is not None:
-        kept.update(s for s in steps if s % policy.keep_every == 0)
-    ranked = _ranked(checkpoints, policy)
-    if ranked:
-        kept.update(info.step for info in ranked[: max(1, policy.keep_best or 1)])
-    kept.update(s for s in steps if s in policy.preserve or s in set(preserved))
-    # checkpoints whose files a kept (incremental) checkpoint references stay too
-    by_name = {os.path.basename(info.path.rstrip("/")) or info.path: info.step for info in checkpoints}
-    for info in checkpoints:
-        if info.step in kept:
-            for record in info.manifest.files.values():
-                if record.checkpoint and record.checkpoint in by_name:
-                    kept.add(by_name[record.checkpoint])
-    return kept
 
 
 class CheckpointManager:
@@ -169,7 +86,7 @@ class CheckpointManager:
         self._exit_on_signal = True
         self._previous_handlers: dict[int, Any] = {}
         self._preserved: set[int] = set(self._read_preserved())
-        self._tasks: queue.Queue[str | None] = queue.Queue()
+        self._tasks: queue.Queue[CheckpointManager | None] = queue.Queue()
         # Parsed manifests, for retention after each commit: the checkpointer's, which each of its
         # commits fills with the manifest it wrote.
         self._listed: ManifestCache = checkpointer._saver.listed
@@ -177,8 +94,12 @@ class CheckpointManager:
         self._idle = threading.Condition()
         self._busy = 0
         self._closed = False
-        self._worker = threading.Thread(target=self._run_retention, name="ckptd-retention", daemon=True)
+        # The thread holds no reference to the manager (a queued task holds one until it is done),
+        # so a manager dropped without close() is collected, and its own Checkpointer with it.
+        self._worker = threading.Thread(target=_run_retention, args=(self._tasks,), name="ckptd-retention", daemon=True)
         self._worker.start()
+        self._finalizer = weakref.finalize(self, self._tasks.put, None)  # ends the thread
+        self._finalizer.atexit = False
 
     # ---- deciding and saving ---------------------------------------------------------------
 
@@ -315,7 +236,7 @@ class CheckpointManager:
     def best(self) -> int | None:
         """The committed step with the best ``policy.metric`` (``None`` without a metric or
         without checkpoints carrying it)."""
-        ranked = _ranked(self._committed_infos(), self.policy)
+        ranked = ranked_by_metric(self._committed_infos(), self.policy)
         return ranked[0].step if ranked else None
 
     def metrics(self, step: int) -> dict[str, Any]:
@@ -370,22 +291,19 @@ class CheckpointManager:
                 self._busy -= 1
                 self._idle.notify_all()
             return
-        self._tasks.put(request.path)
+        self._tasks.put(self)
 
-    def _run_retention(self) -> None:
-        while True:
-            task = self._tasks.get()
-            if task is None:
-                return
-            try:
-                self.apply_retention()
-            except Exception as e:  # noqa: BLE001 - stored, raised by wait()
-                logger.error("ckptd: retention under %s failed: %s", self.root, e)
-                self._retention_error = e
-            finally:
-                with self._idle:
-                    self._busy -= 1
-                    self._idle.notify_all()
+    def _retain(self) -> None:
+        """One retention pass after a commit (on the retention thread); a failure is kept for wait()."""
+        try:
+            self.apply_retention()
+        except Exception as e:  # noqa: BLE001 - stored, raised by wait()
+            logger.error("ckptd: retention under %s failed: %s", self.root, e)
+            self._retention_error = e
+        finally:
+            with self._idle:
+                self._busy -= 1
+                self._idle.notify_all()
 
     def apply_retention(self) -> list[int]:
         """Delete the committed checkpoints no rule keeps; returns their steps.  Runs by itself
@@ -429,6 +347,7 @@ class CheckpointManager:
                 self.wait()
         finally:
             self._closed = True
+            self._finalizer.detach()
             self._tasks.put(None)
             if wait:
                 self._worker.join()
@@ -448,3 +367,13 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r}, {self.policy!r})"
+
+
+def _run_retention(tasks: queue.Queue[CheckpointManager | None]) -> None:
+    """The retention thread: one pass per committed save, until ``None``."""
+    while True:
+        manager = tasks.get()
+        if manager is None:
+            return
+        manager._retain()
+        del manager  # holding none while waiting lets a dropped manager be collected

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from conftest import TinyLM, assert_same, clone_state, paused, wait_for
+from conftest import TinyLM, assert_same, clone_state, paused, pid_alive, wait_for
 
 import ckptd
 from ckptd.errors import (
@@ -311,6 +311,48 @@ def test_close_finishes_pending_saves(root):
     assert all(r.done() and r.exception() is None for r in requests)
     with ckptd.Checkpointer(root) as again:
         assert again.steps() == [0, 1, 2]
+
+
+def test_a_dropped_checkpointer_is_collected_and_stops_its_writer(root):
+    import gc
+    import weakref
+
+    ckpt = ckptd.Checkpointer(root)
+    ckpt.save(1, {"model": {"w": torch.randn(1000)}})
+    pid = ckpt.writer_pid
+    collected = weakref.ref(ckpt)
+    with pytest.warns(ResourceWarning, match="was not closed"):
+        del ckpt
+        gc.collect()
+    assert collected() is None  # no thread of its own keeps it alive
+    wait_for(lambda: not pid_alive(pid), timeout=10)
+    wait_for(lambda: "ckptd-arena" not in open("/proc/self/maps").read(), timeout=10)
+    with ckptd.Checkpointer(root) as again:
+        assert again.steps() == [1]
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")  # raised on the completion thread
+def test_a_dropped_checkpointer_still_commits_its_queued_saves(root):
+    import gc
+    import weakref
+
+    ckpt = ckptd.Checkpointer(root, max_in_flight=2)  # two saves staged while the writer is stopped
+    ckpt.save(0, {"model": {"w": torch.zeros(10)}})
+    pid = ckpt.writer_pid
+    with paused(pid):
+        requests = [ckpt.async_save(step, {"model": {"w": torch.full((10,), float(step))}}) for step in (1, 2)]
+        collected = weakref.ref(ckpt)
+        del ckpt
+        gc.collect()
+        assert collected() is not None  # its queued saves keep it alive
+    results = [r.result(timeout=30) for r in requests]
+    wait_for(lambda: gc.collect() >= 0 and collected() is None, timeout=10)
+    wait_for(lambda: not pid_alive(pid), timeout=10)
+    assert [os.path.basename(r.path) for r in results] == ["checkpoint-1", "checkpoint-2"]
+    with ckptd.Checkpointer(root) as again:
+        assert again.steps() == [0, 1, 2]
+        loaded = again.load(2)["model"]["w"]
+        assert loaded.dtype == torch.float32 and torch.equal(loaded, torch.full((10,), 2.0))
 
 
 def test_planning_pauses_the_garbage_collector_and_restores_it(tmp_path):

@@ -38,10 +38,15 @@ class SideThread:
 
     def _run(self) -> None:
         while (item := self._calls.get()) is not None:
-            future, call = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(call())
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(e)
+            _call(*item)
+            del item  # holding no finished call while waiting: its objects may be collected
+
+
+def _call(future: Future[Any], call: Callable[[], Any]) -> None:
+    """Run ``call`` unless ``future`` was cancelled; its result or exception goes to ``future``."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(call())
+    except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+        future.set_exception(e)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import assert_same, paused
+from conftest import assert_same, paused, pid_alive, wait_for
 
 import ckptd
 from ckptd.errors import CheckpointNotFoundError, ConfigError
@@ -169,6 +169,25 @@ def test_sigterm_makes_a_final_save_then_exits(root, tmp_path):
         assert ckpt.steps() == [last_step + 1], "one final save, of the step after the signal"
         loaded = ckpt.load()
         assert torch.equal(loaded["model"]["w"], torch.full((8,), float(last_step + 1)))
+
+
+def test_a_dropped_manager_is_collected_and_its_checkpointer_stops_its_writer(root):
+    import gc
+    import weakref
+
+    manager = CheckpointManager(root, CheckpointPolicy(every_steps=1, keep_last=1))
+    for step in (1, 2):
+        manager.maybe_save(step, small_state(float(step)))
+    manager.wait()
+    pid = manager.checkpointer.writer_pid
+    dropped = weakref.ref(manager)
+    with pytest.warns(ResourceWarning, match="was not closed"):
+        del manager
+        gc.collect()
+    assert dropped() is None  # its retention thread does not keep it alive
+    wait_for(lambda: not pid_alive(pid), timeout=10)
+    with ckptd.Checkpointer(root) as again:
+        assert again.steps() == [2]  # retention ran before it was dropped
 
 
 def test_async_save_to_a_chosen_path(root, tmp_path):
