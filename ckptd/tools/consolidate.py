@@ -17,7 +17,7 @@ from ..formats.manifest import FileRecord, Manifest, TensorRecord
 from ..formats.names import leftover_name, shard_file_name
 from ..load.reader import CheckpointReader
 from ..options import DEFAULT_MAX_SHARD_SIZE, parse_size
-from ..save.commit import ComponentInfo, check_destination, claim_step, finalize_checkpoint
+from ..save.commit import ComponentInfo, check_destination, check_object_prefix, claim_step, finalize_checkpoint
 from ..save.layout import WriteItem, bucket_items, plan_file
 from ..save.tensor_files import write_layout
 from ..storage import normalize_location, storage_for
@@ -46,8 +46,8 @@ def consolidate(
     complete (on local disks in one atomic swap, so ``destination`` is the old or the new
     checkpoint at every moment).  A ``destination`` that holds anything but a checkpoint (a local
     directory that is not empty, an object-store prefix with objects that are not ckptd's) is
-    never replaced or written into (:class:`~ckptd.errors.ForeignFilesError`, whatever
-    ``overwrite`` says: see :func:`ckptd.save.commit.check_destination` and
+    never replaced or written into (:class:`~ckptd.errors.ForeignFilesError`, before anything is
+    read, whatever ``overwrite`` says: see :func:`ckptd.save.commit.check_destination` and
     :func:`~ckptd.save.commit.check_object_prefix`), and ``destination`` may not be ``source``
     (``ConfigError``).
     """
@@ -63,6 +63,8 @@ def consolidate(
         raise ConfigError(f"{final}: consolidate() needs a destination other than its source")
     if storage.local:
         check_destination(final, overwrite=overwrite)  # before any work, as the commit would
+    else:
+        check_object_prefix(storage, final)  # someone's objects: refused before the verify pass too
     if verify:
         reader.verify()
     started = time.perf_counter()

@@ -396,3 +396,20 @@ def test_ckptd_objects_left_without_claim_or_manifest_are_taken(s3: S3Place):
         assert ckpt.steps() == []
         ckpt.save(2, {"model": model_state(n=1, seed=4)})  # neither CheckpointExistsError nor ForeignFilesError
         assert_same(model_state(n=1, seed=4), ckpt.load(2, verify=True)["model"])
+
+
+def test_consolidate_into_someone_elses_prefix_is_refused_before_reading_the_source(s3: S3Place, tmp_path):
+    source = str(tmp_path / "source")
+    with ckptd.Checkpointer(source) as ckpt:
+        path = ckpt.save(1, {"model": model_state(n=1)}).path
+    shard = next(name for name in os.listdir(path) if name.endswith(".safetensors"))
+    with open(os.path.join(path, shard), "r+b") as f:  # verify=True would fail on this byte first
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    s3.client.put_object(Bucket=s3.bucket, Key="hf-export/config.json", Body=b"{}")
+    with pytest.raises(ForeignFilesError, match="hf-export holds objects that are not a ckptd checkpoint"):
+        ckptd.consolidate(path, s3.url("hf-export"), destination_storage_options=s3.options(), verify=True)
+    assert s3.keys("hf-export/") == ["hf-export/config.json"]
+    assert s3.uploads() == []
