@@ -124,29 +124,31 @@ class S3Storage(FsspecStorage):
         bucket, _ = self._split(path)
         self._run(self._call, "access", f"s3://{bucket}", "head_bucket", Bucket=bucket)
 
-    def list_names(self, path: str) -> list[str]:
-        """Names directly under ``path``, in one ``ListObjectsV2`` request per 1,000 names (s3fs's
-        ``ls`` of an empty prefix lists its parent too, to tell a file from a missing path: a
-        second request, and a long one under a root of many checkpoints)."""
-        return self._run(self._list_names, path)
+    def _ls(self, path: str) -> list[dict[str, Any]]:
+        """The entries directly under ``path`` (for ``list_names`` and ``sizes``), in one
+        ``ListObjectsV2`` request per 1,000 entries: s3fs's ``ls`` of an empty prefix lists its
+        parent too, to tell a file from a missing path (a second request, and a long one under a
+        root of many checkpoints)."""
+        return self._run(self._list_entries, path)
 
-    async def _list_names(self, path: str) -> list[str]:
+    async def _list_entries(self, path: str) -> list[dict[str, Any]]:
         bucket, key = self._split(path)
         prefix = key.rstrip("/") + "/" if key.strip("/") else ""
         url = self._url(path)
-        names: set[str] = set()
+        entries: list[dict[str, Any]] = []
         page_token: dict[str, str] = {}
         while True:
             page = await self._call(
                 "list", url, "list_objects_v2", Bucket=bucket, Prefix=prefix, Delimiter="/", **page_token
             )
-            names.update(entry["Key"][len(prefix) :] for entry in page.get("Contents") or [])
-            names.update(entry["Prefix"][len(prefix) :].rstrip("/") for entry in page.get("CommonPrefixes") or [])
+            for item in page.get("Contents") or []:
+                if item["Key"] != prefix:  # a "directory marker" object named like the prefix itself
+                    entries.append({"name": f"{bucket}/{item['Key']}", "size": item.get("Size", 0), "type": "file"})
+            for item in page.get("CommonPrefixes") or []:
+                entries.append({"name": f"{bucket}/{item['Prefix']}", "size": 0, "type": "directory"})
             if not page.get("IsTruncated"):
-                break
+                return entries
             page_token = {"ContinuationToken": page["NextContinuationToken"]}
-        names.discard("")  # a "directory marker" object named like the prefix itself
-        return sorted(names)
 
     # ---- writing ---------------------------------------------------------------------------
 

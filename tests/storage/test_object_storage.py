@@ -417,7 +417,8 @@ def test_consolidate_into_someone_elses_prefix_is_refused_before_reading_the_sou
 
 def test_a_save_lists_its_prefix_in_one_request(s3: S3Place, proxy):
     """The prefix check before the claim costs one GET (a ListObjectsV2), not s3fs's two (its
-    ``ls`` of an empty prefix also lists the parent, every checkpoint of the root)."""
+    ``ls`` of an empty prefix also lists the parent, every checkpoint of the root); so does
+    ``sizes()``, which lists the same way."""
     with ckptd.Checkpointer(s3.url(), storage_options=s3.options(proxy.url)) as ckpt:
         ckpt.save(1, {"model": model_state(n=1)})
         before = len(proxy.matching(lambda m, p: True))
@@ -425,6 +426,9 @@ def test_a_save_lists_its_prefix_in_one_request(s3: S3Place, proxy):
         listings = proxy.matching(lambda m, p: True)[before:]
         assert names == []
         assert [(e.method, "list-type=2" in e.path) for e in listings] == [("GET", True)]
+        before = len(proxy.matching(lambda m, p: True))
+        assert ckpt.storage.sizes(ckpt.path_for(2)) == {}
+        assert len(proxy.matching(lambda m, p: True)[before:]) == 1  # sizes() lists the same way
         in_checkpoint = sorted(key.rsplit("/", 1)[-1] for key in s3.keys("run/checkpoint-1/"))
         assert "checkpoint_manifest.json" in in_checkpoint
         assert ckpt.storage.list_names(ckpt.path_for(1)) == in_checkpoint
