@@ -280,6 +280,8 @@ class Checkpointer:
             )
         with self._pending_lock:
             self._pending.append(job.request)
+        if self._steps is not None:
+            job.request._release_on_wait(self._release_throttle)  # a wait on this thread: nobody trains
         # pipelined: the writer starts on the first chunks while the copy goes on.  The queued
         # entry keeps the Checkpointer alive until the completion thread is done with the save.
         self._jobs.put((self, job))
@@ -321,9 +323,7 @@ class Checkpointer:
 
     def save(self, step: int, state: Mapping[str, Any], **kwargs: Any) -> SaveResult:
         """Save and wait for the commit; same arguments as :meth:`async_save`."""
-        request = self.async_save(step, state, **kwargs)
-        self._release_throttle()
-        return request.result()
+        return self.async_save(step, state, **kwargs).result()  # the wait lifts the throttle's limit
 
     def mark_step(self) -> None:
         """Tell the adaptive throttle (on by default) that a training step began.

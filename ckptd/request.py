@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -40,6 +41,11 @@ class SaveRequest:
     ``wait(timeout)``, ``result(timeout)``, ``exception(timeout)``, ``add_done_callback(fn)``,
     and ``await request`` in asyncio code.  A failure is raised by ``wait()``/``result()``.
     ``staged`` is set once the state has been copied out of the caller's tensors.
+
+    A blocking ``result()``/``wait()``/``exception()`` on the thread that called ``async_save``
+    (the training loop) first lifts the adaptive throttle's limit: nobody trains while that
+    thread waits, so the rest of the save is written at full speed.  A wait on any other thread
+    (a logger, a clean-up thread) leaves the limit alone, since training may go on meanwhile.
     """
 
     def __init__(self, step: int | None, path: str) -> None:
@@ -48,6 +54,8 @@ class SaveRequest:
         self.staged = threading.Event()
         self.timings: dict[str, float] = {}
         self._future: Future[SaveResult] = Future()
+        self._saving_thread: int | None = None
+        self._release: weakref.WeakMethod[Callable[[], None]] | None = None
 
     def done(self) -> bool:
         """True once the save committed or failed."""
@@ -55,6 +63,7 @@ class SaveRequest:
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """Wait for the commit and return its :class:`SaveResult`; raises the save's error."""
+        self._before_blocking(timeout)
         return self._future.result(timeout)
 
     def wait(self, timeout: float | None = None) -> SaveResult:
@@ -63,6 +72,7 @@ class SaveRequest:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error (``None`` on success), waiting up to ``timeout``."""
+        self._before_blocking(timeout)
         return self._future.exception(timeout)
 
     def add_done_callback(self, fn: Callable[[SaveRequest], Any]) -> None:
@@ -78,7 +88,22 @@ class SaveRequest:
             state = "failed" if self._future.exception() else "committed"
         return f"<SaveRequest step={self.step} {state} path={self.path!r}>"
 
+    def _before_blocking(self, timeout: float | None) -> None:
+        """Lift the throttle's limit if the saving thread is about to block on this save."""
+        if self._release is None or self._future.done() or (timeout is not None and timeout <= 0):
+            return
+        if threading.get_ident() != self._saving_thread:
+            return
+        release = self._release()  # None once the Checkpointer is gone
+        if release is not None:
+            release()
+
     # -- used by the Checkpointer --------------------------------------------------------------
+
+    def _release_on_wait(self, release: Callable[[], None]) -> None:
+        """Call ``release`` (a bound method, held weakly) before a blocking wait on this thread."""
+        self._saving_thread = threading.get_ident()
+        self._release = weakref.WeakMethod(release)
 
     def _set_result(self, result: SaveResult) -> None:
         self._future.set_result(result)

@@ -19,7 +19,8 @@ The writer remembers the limit it was last given.  A save whose write starts whi
 on (a step began less than :data:`~ckptd.writer.throttle.QUIET_SECONDS` before) starts at that
 limit (:meth:`StepMonitor.writing_started` says so), and its steps are judged as after a
 "slower": "hold" keeps the limit alive, "faster" raises it.  Any other save starts at full
-speed.  ``wait()`` and ``close()`` release the limit, since nobody trains while they wait.
+speed.  ``wait()``, ``close()`` and a blocking ``result()`` of a save on the thread that called
+``async_save`` release the limit, since nobody trains while they wait.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class StepMonitor:
         self._unhelped = 0  # windows since the last "slower" that were not faster than it
         self._gave_up = False  # slowing down did not help this write: leave it alone
         self._limited = False  # a "slower" was ever sent: the writer may have a limit to resume
+        self._released = True  # the writer holds no limit this side set: a "release" would do nothing
         self.sent: deque[str] = deque(maxlen=256)  # the last actions sent, in order
         self._hook: Any = None
 
@@ -95,6 +97,7 @@ class StepMonitor:
             # A write that resumes the writer's limit is judged as a slowed one ("hold" keeps the
             # limit alive: a writer that hears nothing lifts it).  Only a "slower" sets a limit.
             self._slowed = training and self._limited
+            self._released = not self._slowed  # the writer resumes its learned limit, or runs at full speed
             self._slowed_at = None
             self._unhelped = 0
             self._gave_up = False
@@ -105,6 +108,8 @@ class StepMonitor:
     def writing_finished(self) -> None:
         with self._lock:
             self._writing = max(0, self._writing - 1)
+            if not self._writing:
+                self._released = True  # no write in progress: nothing is held back
             self._window.clear()
             self._last = None  # the step in progress overlapped the write: not a baseline step
 
@@ -147,11 +152,20 @@ class StepMonitor:
                 actions = ["faster"]
             elif self._slowed:
                 actions = ["hold"]  # still training, rate about right: keeps the limit alive
+            if actions:
+                self._released = actions[-1] == "release"
         for action in actions:
             self.sent.append(action)
             self._send(action)
 
     def release(self) -> None:
-        """Lift the limit (the caller waits for the save: nobody trains meanwhile)."""
+        """Lift the limit (the caller waits for the save: nobody trains meanwhile).  Sends
+        nothing when no limit can be in effect: none was set, or it was lifted already.  The step
+        in progress ends here: a write that starts while the caller waits starts at full speed."""
+        with self._lock:
+            self._last = None
+            if self._released:
+                return
+            self._released = True
         self.sent.append("release")
         self._send("release")

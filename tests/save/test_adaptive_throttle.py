@@ -3,6 +3,7 @@ process that slows down when told, and a checkpoint that is still whole and exac
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -102,6 +103,50 @@ def test_wait_releases_the_limit_so_the_save_finishes_at_full_speed(tmp_path: An
         ckpt.wait()  # sends "release": the rest of the save is not held back
         assert ckpt._steps.sent[-1] == "release"
         assert request.result().path.endswith("checkpoint-1")
+
+
+def test_a_blocking_result_on_the_saving_thread_lifts_the_limit(tmp_path: Any) -> None:
+    _, _, state = _model_and_state()
+    with ckptd.Checkpointer(str(tmp_path), throttle=True, chunk_size="1MiB") as ckpt:
+        ckpt.prepare(state)
+        for _ in range(12):
+            ckpt.mark_step()  # the baseline: 2 ms steps, no save
+            time.sleep(0.002)
+        copied = threading.Event()
+        ckpt._pool.after_copy = lambda component, key: key == "block3" and copied.wait(60)  # holds the save
+        # Background staging: the writer writes what is copied; the save stays pending until released.
+        # (Steps are marked by hand: optimizer.step() would wait for the copy it must not overtake.)
+        request = ckpt.async_save(1, state, staging="background")
+        for _ in range(40):
+            if "slower" in ckpt._steps.sent:
+                break
+            ckpt.mark_step()
+            time.sleep(0.010)  # training slowed while the save is written
+        assert "slower" in ckpt._steps.sent and not request.done(), list(ckpt._steps.sent)
+        ckpt._steps.sent.clear()
+        timed_out: list[str] = []
+
+        def wait_elsewhere() -> None:  # a logger or clean-up thread: training may go on meanwhile
+            try:
+                request.result(timeout=0.2)
+            except TimeoutError:
+                timed_out.append("result")
+
+        other = threading.Thread(target=wait_elsewhere)
+        other.start()
+        other.join()
+        assert timed_out == ["result"] and list(ckpt._steps.sent) == []
+        with pytest.raises(TimeoutError):
+            request.result(timeout=0)  # a poll, not a wait
+        assert list(ckpt._steps.sent) == []
+        with pytest.raises(TimeoutError):
+            request.exception(timeout=0.1)  # the thread that saved blocks: nobody trains
+        assert list(ckpt._steps.sent) == ["release"]
+        copied.set()
+        result = request.result()
+        assert list(ckpt._steps.sent) == ["release"]  # lifted already
+        assert result.step == 1
+        assert_same(ckpt.load(1, into=None)["payload"], state["payload"])
 
 
 def test_without_throttle_nothing_is_timed_or_held_back(tmp_path: Any) -> None:

@@ -136,8 +136,42 @@ def test_a_write_after_a_pause_in_training_or_without_a_baseline_starts_at_full_
     assert fresh.monitor.writing_started() is False
 
 
-def test_release_is_sent_as_is() -> None:
+def test_release_is_sent_only_while_a_limit_can_be_in_effect() -> None:
     steps = Steps()
     steps.monitor.release()
-    assert steps.sent == ["release"]
-    assert list(steps.monitor.sent) == ["release"]
+    assert steps.sent == []  # no "slower" was ever sent: the writer has no limit to lift
+    steps.run(10, 0.010)
+    steps.monitor.writing_started()
+    steps.run(5, 0.0125)
+    steps.monitor.release()
+    steps.monitor.release()  # lifted already
+    assert steps.sent == ["slower", "slower", "release"]
+    assert list(steps.monitor.sent) == ["slower", "slower", "release"]
+    steps.monitor.writing_finished()
+    steps.run(10, 0.010)
+    assert steps.monitor.writing_started() is True  # training goes on: the writer resumes its limit
+    steps.monitor.release()
+    assert steps.sent == ["slower", "slower", "release", "release"]
+
+
+def test_no_release_after_the_monitor_gave_the_writer_up() -> None:
+    steps = Steps()
+    steps.run(10, 0.010)
+    steps.monitor.writing_started()
+    steps.run(13, 0.0125)  # slowed whatever the writer does: "slower", "hold", then given up
+    assert steps.sent[-1] == "release"
+    sent = list(steps.sent)
+    steps.monitor.release()
+    assert steps.sent == sent
+
+
+def test_a_wait_before_the_write_starts_keeps_that_write_at_full_speed() -> None:
+    steps = Steps()
+    steps.run(10, 0.010)
+    steps.monitor.writing_started()
+    steps.run(5, 0.0125)
+    steps.monitor.writing_finished()  # the writer keeps its learned limit for later saves
+    steps.run(10, 0.010)  # training goes on: a write starting now would resume that limit
+    steps.monitor.release()  # the loop waits for a save whose write has not started yet
+    assert steps.sent == ["slower", "slower"]  # no write in progress: nothing to lift
+    assert steps.monitor.writing_started() is False  # nobody trains: it starts at full speed
