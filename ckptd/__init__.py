@@ -29,8 +29,10 @@ __all__ = [
     "Sharing",
     "__version__",
     "consolidate",
+    "convert",
     "create_sharing_metadata",
     "errors",
+    "export_hf",
     "get_param_id_to_sharded_param_map",
     "load_tensors_metadata",
     "optim_state_to_sharding_state",
@@ -53,6 +55,8 @@ _CORE = {
     "ShardedTensor": "dist.sharding",
     "Sharing": "dist.group",
     "consolidate": "tools.consolidate",
+    "convert": "tools.convert",
+    "export_hf": "tools.convert",
     "create_sharing_metadata": "load.assign",
     "get_param_id_to_sharded_param_map": "dist.optim",
     "load_tensors_metadata": "compat.megatron",
@@ -172,6 +176,7 @@ if TYPE_CHECKING:
     from .rng import RNGState
     from .stats import save_stats
     from .tools.consolidate import consolidate
+    from .tools.convert import convert, export_hf
 
 
 def __getattr__(name: str) -> Any:

@@ -1,32 +1,26 @@
 """Commands that write a new checkpoint from another: ``consolidate``, ``convert``, ``export-hf``.
 
-Tensors are streamed one at a time (memory stays bounded by the largest tensor), except for
-PyTorch DCP sources and ``.bin`` files, which are loaded whole by torch's own readers
-(``torch.distributed.checkpoint.FileSystemReader``, as ``dcp_to_torch_save`` does).  Local
-destinations are written into a hidden sibling directory and renamed into place, so a failed
-conversion leaves nothing behind and ``--overwrite`` replaces the old copy only at the end.
+The work is the library's (:func:`ckptd.consolidate`, :func:`ckptd.tools.convert.convert`); this
+module parses the options, shows progress and reports what was written.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
 from ..formats.names import match_leftover_name
-from ..options import DEFAULT_MAX_SHARD_SIZE, parse_size
-from ..storage import base_name, normalize_location, storage_for
+from ..options import parse_size
+from ..storage import base_name, normalize_location
+from ..tools.convert import ConvertResult, ShardOutput, source_format
 from .app import Context, Result
 from .output import EXIT_OK, EXIT_USAGE, CliError, Progress, polled
-from .shards import HF_CONFIG, Destination, Tensors, from_dcp, from_reader, is_dcp_checkpoint, load_dcp, write_shards
 
 __all__ = ["register"]
-
-_MANIFEST_NAME = "checkpoint_manifest.json"  # formats.manifest.MANIFEST_NAME (importing it pulls in torch)
 
 
 def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
@@ -78,7 +72,7 @@ def _consolidate(args: argparse.Namespace, context: Context) -> Result:
     if normalize_location(args.destination) == source.directory:
         raise CliError("source and destination are the same checkpoint", EXIT_USAGE, "pick another destination")
     parse_size(args.max_shard_size, "--max-shard-size")
-    destination = Destination(args.destination, context, args.overwrite)
+    destination = ShardOutput(args.destination, context.storage_options, args.overwrite)
     total = sum(c.tensor_bytes() for c in source.manifest.components.values())
     progress = Progress(f"consolidate {base_name(source.directory)}", total, enabled=context.progress)
     started = time.perf_counter()
@@ -96,10 +90,10 @@ def _consolidate(args: argparse.Namespace, context: Context) -> Result:
             return sum(sum(destination.storage.sizes(path).values()) for path in staged)
 
     else:
-        destination.begin()
-
+        # consolidate() writes the shards under their final names (it claims the prefix itself;
+        # a prefix of someone else's objects is refused, whatever --overwrite says).
         def measure() -> int:
-            return destination.written()
+            return sum(destination.storage.sizes(destination.final).values())
 
     with polled(progress, measure):
         manifest = consolidate(
@@ -132,179 +126,60 @@ def _render_written(verb: str) -> Callable[[dict[str, Any], Context], None]:
     return render
 
 
-# ---- writing -----------------------------------------------------------------------------------
+# ---- convert, export-hf -----------------------------------------------------------------------
 
 
-def _config_bytes(args: argparse.Namespace, source: Tensors) -> bytes | None:
-    if args.config:
-        try:
-            with open(args.config, "rb") as f:
-                return f.read()
-        except FileNotFoundError as e:
-            raise CheckpointNotFoundError(f"{args.config}: no such config file") from e
-    return source.config
+def _converted(args: argparse.Namespace, context: Context, label: str, to: str | None) -> Result:
+    from ..tools.convert import convert
 
+    bar: Progress | None = None
 
-def _write_hf(args: argparse.Namespace, source: Tensors, context: Context, label: str) -> Result:
-    from ..formats.manifest import hf_index
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = Progress(label, total, enabled=context.progress)
+        bar.set(done)
 
-    limit = parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, "--max-shard-size")
-    config = _config_bytes(args, source)
-    destination = Destination(args.destination, context, args.overwrite)
-    total = sum(item.nbytes for item in source.items)
-    progress = Progress(label, total, enabled=context.progress)
-    started = time.perf_counter()
-    destination.begin()
     try:
-        written, _records, weight_map = write_shards(source, destination, limit, progress)
-        extra = {"param_sharing": source.tied} if source.tied else None
-        storage = destination.storage
-        index = hf_index(weight_map, total, extra)
-        storage.write_stream(storage.join(destination.staging, "model.safetensors.index.json"), [memoryview(index)])
-        if config is not None:
-            storage.write_stream(storage.join(destination.staging, HF_CONFIG), [memoryview(config)])
-        destination.publish()
-    except BaseException:
-        destination.discard()
-        raise
-    finally:
-        progress.close()
-    body = {
-        "source": normalize_location(args.source),
-        "destination": destination.final,
-        "format": "hf",
-        "files": len(written) + 1 + (config is not None),
-        "tensors": len(source.items),
-        "bytes": sum(record.size for record in written.values()),
-        "config": config is not None,
-        "seconds": round(time.perf_counter() - started, 3),
-    }
-    return body, _render_written("wrote HF model of"), EXIT_OK
-
-
-def _write_ckptd(args: argparse.Namespace, source: Tensors, context: Context) -> Result:
-    from ..save.commit import ComponentInfo, claim_step, finalize_checkpoint
-
-    limit = parse_size(args.max_shard_size or DEFAULT_MAX_SHARD_SIZE, "--max-shard-size")
-    destination = Destination(args.destination, context, args.overwrite)
-    total = sum(item.nbytes for item in source.items)
-    progress = Progress(f"convert {base_name(args.source)}", total, enabled=context.progress)
-    started = time.perf_counter()
-    destination.begin()
-    try:
-        if not destination.storage.local:
-            claim_step(destination.storage, destination.final, overwrite=args.overwrite, replace_any=True)
-        written, records, _ = write_shards(source, destination, limit, progress)
-        manifest = finalize_checkpoint(
-            destination.storage,
-            destination.staging,
-            destination.final,
-            step=args.step if args.step is not None else source.step if source.step is not None else 0,
-            written=written,
-            expected_sizes={name: record.size for name, record in written.items()},
-            tensors={"model": records},
-            components=[ComponentInfo("model", "safetensors", source.tied)],
-            trees=None,
-            metadata={"converted_from": normalize_location(args.source)},
-            timings={"convert": time.perf_counter() - started},
+        result = convert(
+            args.source,
+            args.destination,
+            to=to,
+            component=args.component,
+            config=args.config,
+            step=getattr(args, "step", None),
+            max_shard_size=args.max_shard_size,
             overwrite=args.overwrite,
-        )
-    except BaseException:
-        destination.discard()
-        raise
-    finally:
-        progress.close()
-    body = {
-        "source": normalize_location(args.source),
-        "destination": destination.final,
-        "format": "ckptd",
-        "files": len(manifest.files),
-        "tensors": len(source.items),
-        "bytes": sum(f.size for f in manifest.files.values()),
-        "config": False,
-        "seconds": round(time.perf_counter() - started, 3),
-    }
-    return body, _render_written("converted"), EXIT_OK
-
-
-def _dcp_to_ckptd(args: argparse.Namespace, context: Context) -> Result:
-    """A DCP checkpoint with all its components (model, optimizer, extra state) as a ckptd checkpoint."""
-    from ..catalog import checkpoint_dir_name, read_manifest
-    from ..checkpointer import Checkpointer
-    from ..save.commit import publish
-
-    destination = Destination(args.destination, context, args.overwrite)
-    if not destination.storage.local:
-        raise CliError(
-            "converting a DCP checkpoint writes to a local directory",
-            EXIT_USAGE,
-            "convert locally, then upload the directory (or save it with ckptd.Checkpointer)",
-        )
-    started = time.perf_counter()
-    state = load_dcp(args.source)
-    stored_step = state.get("step")
-    step: int = args.step if args.step is not None else stored_step if isinstance(stored_step, int) else 0
-    parent, base = os.path.split(destination.final)
-    scratch = os.path.join(parent, f".{base}.convert-{secrets.token_hex(4)}")
-    try:
-        with Checkpointer(scratch, max_shard_size=args.max_shard_size) as checkpointer:
-            result = checkpointer.save(step, state, metadata={"converted_from": normalize_location(args.source)})
-        publish(
-            destination.storage,
-            os.path.join(scratch, checkpoint_dir_name(step)),
-            destination.final,
-            overwrite=args.overwrite,
+            storage_options=context.storage_options,
+            progress=progress,
         )
     finally:
-        destination.storage.remove_tree(scratch)
-    manifest = read_manifest(destination.storage, destination.final)
-    body = {
-        "source": normalize_location(args.source),
-        "destination": destination.final,
-        "format": "ckptd",
-        "files": len(manifest.files) if manifest else 0,
-        "tensors": sum(len(c.tensors) for c in manifest.components.values()) if manifest else 0,
-        "bytes": result.bytes_written,
-        "config": False,
-        "seconds": round(time.perf_counter() - started, 3),
+        if bar is not None:
+            bar.close()
+    return _body(result), _render_written("wrote HF model of" if result.format == "hf" else "converted"), EXIT_OK
+
+
+def _body(result: ConvertResult) -> dict[str, Any]:
+    return {
+        "source": result.source,
+        "destination": result.destination,
+        "format": result.format,
+        "files": result.files,
+        "tensors": result.tensors,
+        "bytes": result.bytes,
+        "config": result.config,
+        "seconds": result.seconds,
     }
-    return body, _render_written("converted"), EXIT_OK
-
-
-# ---- commands ----------------------------------------------------------------------------------
-
-
-def _source_kind(path: str, context: Context) -> str:
-    if is_dcp_checkpoint(path):
-        return "dcp"
-    location = normalize_location(path)
-    storage = storage_for(location, context.storage_options)
-    if _MANIFEST_NAME in storage.list_names(location):
-        return "ckptd"
-    return "hf"
 
 
 def _convert(args: argparse.Namespace, context: Context) -> Result:
-    kind = _source_kind(args.source, context)
-    target = args.to or ("hf" if kind == "ckptd" else "ckptd")
-    if target == "hf":
-        source = (
-            from_dcp(args.source, args.component)
-            if kind == "dcp"
-            else from_reader(args.source, args.component, context)
-        )
-        return _write_hf(args, source, context, f"convert {base_name(args.source)}")
-    if kind == "ckptd":
+    to = args.to or None
+    kind = source_format(args.source, context.storage_options)
+    if kind == "ckptd" and to == "ckptd" and args.config is None and args.component is None and args.step is None:
         args.verify = False
-        return _consolidate(args, context)
-    if kind == "dcp":
-        return _dcp_to_ckptd(args, context)
-    return _write_ckptd(args, from_reader(args.source, args.component, context), context)
+        return _consolidate(args, context)  # with its own progress (the staged bytes, polled)
+    return _converted(args, context, f"convert {base_name(args.source)}", to)
 
 
 def _export_hf(args: argparse.Namespace, context: Context) -> Result:
-    kind = _source_kind(args.source, context)
-    source = (
-        from_dcp(args.source, args.component) if kind == "dcp" else from_reader(args.source, args.component, context)
-    )
-    return _write_hf(args, source, context, f"export {base_name(args.source)}")
+    return _converted(args, context, f"export {base_name(args.source)}", "hf")

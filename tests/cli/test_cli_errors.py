@@ -165,3 +165,20 @@ def test_ls_of_s3_without_credentials_is_a_storage_error(s3):
     out = run("ls", s3.url(), "--storage-options", options, env=env)
     line = assert_error(out, "storage", "credentials")
     assert "AWS_ACCESS_KEY_ID" in line  # the hint says how to provide them
+
+
+@pytest.mark.objectstore
+def test_consolidate_to_s3_replaces_a_checkpoint_but_never_someone_elses_objects(committed, s3):
+    _root, path = committed
+    options = json.dumps(s3.options())
+    target = s3.url("flat")
+    assert run("consolidate", path, target, "--storage-options", options).returncode == 0
+    out = run("consolidate", path, target, "--overwrite", "--storage-options", options)
+    assert out.returncode == 0, out.stderr
+    reader = ckptd.CheckpointReader.open(target, s3.options())
+    reader.verify()
+    assert torch.equal(reader.read("model")["w"], torch.arange(6, dtype=torch.float32))
+    s3.client.put_object(Bucket=s3.bucket, Key="data/notes.txt", Body=b"mine")
+    out = run("consolidate", path, s3.url("data"), "--overwrite", "--storage-options", options)
+    assert_error(out, "conflict", s3.url("data"))
+    assert s3.keys("data/") == ["data/notes.txt"]  # --overwrite replaces checkpoints only

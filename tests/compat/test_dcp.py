@@ -121,7 +121,7 @@ class Opaque:
 
 
 def test_convert_reads_a_whole_dcp_state_without_pickle(tmp_path, trained):
-    from ckptd.cli.shards import load_dcp
+    from ckptd.tools.tensor_sources import load_dcp
 
     model, optimizer = trained
     nested = save_dcp(str(tmp_path / "nested"), {"model": model.state_dict(), "optim": optimizer.state_dict()})
