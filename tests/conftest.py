@@ -180,6 +180,23 @@ def checkpointer(root: str) -> Iterator[ckptd.Checkpointer]:
 
 
 @pytest.fixture
+def dcp_checkpoint(tmp_path: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer, str]:
+    """A model and its SGD-with-momentum optimizer after one step, saved by PyTorch DCP itself
+    (``{"model", "optim", "step": 7}``, one process) under ``tmp_path / "dcp"``."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 8)).sum().backward()
+    optimizer.step()
+    source = str(tmp_path / "dcp")
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 7}
+    with pytest.warns(UserWarning):  # "torch.distributed is ... uninitialized": a single-process save
+        dcp.save(state, checkpoint_id=source, no_dist=True)
+    return model, optimizer, source
+
+
+@pytest.fixture
 def trained() -> tuple[TinyLM, torch.optim.Optimizer, Any]:
     """A TinyLM with AdamW state after two steps and a scheduler."""
     torch.manual_seed(0)

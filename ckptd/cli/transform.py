@@ -132,6 +132,7 @@ def _render_written(verb: str) -> Callable[[dict[str, Any], Context], None]:
 def _converted(args: argparse.Namespace, context: Context, label: str, to: str | None) -> Result:
     from ..tools.convert import convert
 
+    parse_size(args.max_shard_size, "--max-shard-size")  # named as the user typed it
     bar: Progress | None = None
 
     def progress(done: int, total: int) -> None:

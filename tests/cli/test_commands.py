@@ -86,17 +86,8 @@ def test_export_hf_with_config_loads_in_from_pretrained(tmp_path):
     assert torch.equal(tensors["transformer.wte.weight"], model.transformer.wte.weight)
 
 
-def test_convert_from_a_real_dcp_checkpoint(tmp_path):
-    dcp = pytest.importorskip("torch.distributed.checkpoint")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(3, 8)).sum().backward()
-    optimizer.step()
-    source = str(tmp_path / "dcp")
-    state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 7}
-    with pytest.warns(UserWarning):  # "torch.distributed is ... uninitialized": a single-process save
-        dcp.save(state, checkpoint_id=source, no_dist=True)
+def test_convert_from_a_real_dcp_checkpoint(tmp_path, dcp_checkpoint):
+    model, optimizer, source = dcp_checkpoint
     target = str(tmp_path / "ckptd")
     out = run("convert", source, target)
     assert out.returncode == 0, out.stderr

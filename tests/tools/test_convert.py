@@ -140,20 +140,8 @@ def test_a_failed_conversion_leaves_nothing_behind(saved: Any, tmp_path: Path) -
     assert leftovers(tmp_path) == []
 
 
-def test_a_dcp_checkpoint_converts_whole_to_ckptd_and_its_model_to_hf(tmp_path: Path) -> None:
-    dcp = pytest.importorskip("torch.distributed.checkpoint")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(3, 8)).sum().backward()
-    optimizer.step()
-    source = str(tmp_path / "dcp")
-    with pytest.warns(UserWarning):  # "torch.distributed is ... uninitialized": a single-process save
-        dcp.save(
-            {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 7},
-            checkpoint_id=source,
-            no_dist=True,
-        )
+def test_a_dcp_checkpoint_converts_whole_to_ckptd_and_its_model_to_hf(tmp_path: Path, dcp_checkpoint: Any) -> None:
+    model, optimizer, source = dcp_checkpoint
     assert source_format(source) == "dcp"
     whole = ckptd.convert(source, str(tmp_path / "ckptd"))
     assert whole.format == "ckptd"
