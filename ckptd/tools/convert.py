@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -179,26 +180,32 @@ class ShardOutput:
         else:
             self.staging = self.final
 
-    def begin(self) -> None:
-        """Create the staging directory (local), or clear the old output (object stores: not atomic)."""
+    @contextmanager
+    def staged(self) -> Iterator[str]:
+        """The staging place to write into: a new hidden directory (local), or the final prefix
+        with the old output removed first (object stores: not atomic).  If the block fails,
+        what it wrote is removed."""
         if self.storage.local:
             self.storage.makedirs(self.staging)
         elif self.exists:
             from ..catalog import remove_checkpoint
 
             remove_checkpoint(self.storage, self.final)
+        try:
+            yield self.staging
+        except BaseException:
+            if self.storage.local:
+                self.storage.remove_tree(self.staging)
+            else:
+                self.storage.discard(self.staging)
+            raise
 
     def publish(self) -> None:
+        """Swap the staged output in (local); object stores wrote in place."""
         from ..save.commit import publish
 
         # overwrite was asked for this path by name: it may replace an HF directory too
         publish(self.storage, self.staging, self.final, overwrite=self.overwrite, replace_any=True)
-
-    def discard(self) -> None:
-        if self.storage.local:
-            self.storage.remove_tree(self.staging)
-        else:
-            self.storage.discard(self.staging)
 
 
 def write_shards(
@@ -265,18 +272,14 @@ def _write_hf(
 ) -> ConvertResult:
     from ..formats.manifest import hf_index
 
-    output.begin()
-    try:
+    storage = output.storage
+    with output.staged() as staging:
         written, _records, weight_map = write_shards(source, output, limit, progress)
-        storage = output.storage
         index = hf_index(weight_map, source.nbytes, {"param_sharing": source.tied} if source.tied else None)
-        storage.write_stream(storage.join(output.staging, _HF_INDEX), [memoryview(index)])
+        storage.write_stream(storage.join(staging, _HF_INDEX), [memoryview(index)])
         if config is not None:
-            storage.write_stream(storage.join(output.staging, HF_CONFIG), [memoryview(config)])
+            storage.write_stream(storage.join(staging, HF_CONFIG), [memoryview(config)])
         output.publish()
-    except BaseException:
-        output.discard()
-        raise
     return ConvertResult(
         source=location,
         destination=output.final,
@@ -301,14 +304,13 @@ def _write_ckptd(
 ) -> ConvertResult:
     from ..save.commit import ComponentInfo, claim_step, finalize_checkpoint
 
-    output.begin()
-    try:
+    with output.staged() as staging:
         if not output.storage.local:
             claim_step(output.storage, output.final, overwrite=output.overwrite, replace_any=True)
         written, records, _ = write_shards(source, output, limit, progress)
         manifest = finalize_checkpoint(
             output.storage,
-            output.staging,
+            staging,
             output.final,
             step=step if step is not None else source.step if source.step is not None else 0,
             written=written,
@@ -320,9 +322,6 @@ def _write_ckptd(
             timings={"convert": time.perf_counter() - started},
             overwrite=output.overwrite,
         )
-    except BaseException:
-        output.discard()
-        raise
     return ConvertResult(
         source=location,
         destination=output.final,
