@@ -175,8 +175,8 @@ def _body(result: ConvertResult) -> dict[str, Any]:
 
 def _convert(args: argparse.Namespace, context: Context) -> Result:
     to = args.to or None
-    kind = source_format(args.source, context.storage_options)
-    if kind == "ckptd" and to == "ckptd" and args.config is None and args.component is None and args.step is None:
+    plain = to == "ckptd" and args.config is None and args.component is None and args.step is None
+    if plain and source_format(args.source, context.storage_options) == "ckptd":  # else convert() looks
         args.verify = False
         return _consolidate(args, context)  # with its own progress (the staged bytes, polled)
     return _converted(args, context, f"convert {base_name(args.source)}", to)
