@@ -34,7 +34,6 @@ from ..dist.optim import get_param_id_to_sharded_param_map, optim_state_to_shard
 from ..dist.sharding import ShardedTensor, is_main_replica, validate_sharding
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, ShardingError
 from ..formats.torch_dtypes import dtype_from_name
-from ..load.dcp import read_dcp_layout
 from ..load.reader import CheckpointReader
 from ..storage import is_local, local_path
 from .megatron_mapping import (
@@ -99,8 +98,8 @@ def load_tensors_metadata(
     if is_local(os.fspath(path)) and megatron_backend(path) == CKPTD_BACKEND:
         path = os.path.join(os.fspath(path), CKPTD_SUBDIR)
     reader = CheckpointReader.open(path, storage_options)
-    if reader.kind == "dcp":  # Megatron torch_dist / PyTorch DCP: shapes from torch's metadata
-        layout = read_dcp_layout(reader.directory, local=reader.storage.local, storage_options=storage_options)
+    if reader.kind == "dcp":  # Megatron torch_dist / PyTorch DCP: shapes from .metadata (read once, by open)
+        layout = reader.dcp_layout()
         return {
             component: {key: TensorInfo(layout.dtypes[fqn], layout.shapes[fqn]) for key, fqn in fqns.items()}
             for component, fqns in layout.components.items()

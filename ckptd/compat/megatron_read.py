@@ -1,7 +1,8 @@
 """Reading the checkpoints :func:`ckptd.compat.megatron.load` accepts, and which one a
 directory is: ckptd's own Megatron-style save (a ckptd checkpoint with ``common``, ``sharded``
 and ``sharded_objects`` components), Megatron's ``torch_dist`` (``metadata.json``,
-``common.pt``, torch DCP files: read by torch's own DCP reader) and Megatron with ckptd's
+``common.pt``, torch DCP files: read by torch's own DCP reader, its ``.metadata`` through
+:mod:`ckptd.load.dcp_metadata`'s allowlist) and Megatron with ckptd's
 ``SaveStrategy`` (``metadata.json``, ``common.pt`` and ckptd's sharded part in ``ckptd/``).
 ``common.pt`` and DCP's pickled entries are decoded with ``torch.load(weights_only=True)`` only.
 """

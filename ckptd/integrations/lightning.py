@@ -141,11 +141,13 @@ class CkptdCheckpointIO(CheckpointIO):
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """Read a ckptd checkpoint directory back into Lightning's dict (a plain ``torch.save``
-        file is read with ``torch.load``, ``weights_only`` as given)."""
+        file is read with ``torch.load``, ``weights_only`` as given; ``None``, Lightning's
+        default, is ``True``: arbitrary pickle only when the caller asks for it)."""
         location = self._location(path)
         self.wait(location)
         if os.path.isfile(location):
-            return torch.load(location, map_location=map_location, weights_only=bool(weights_only))
+            safe = True if weights_only is None else bool(weights_only)
+            return torch.load(location, map_location=map_location, weights_only=safe)
         device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
         ckpt = self._checkpointer(_parent(location))
         loaded = ckpt.load(location, device=device)

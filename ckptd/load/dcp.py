@@ -1,17 +1,27 @@
-"""Reading PyTorch Distributed Checkpoint (DCP) directories with torch's own reader.
+"""Reading PyTorch Distributed Checkpoint (DCP) directories through torch's reader, without pickle.
 
 A DCP checkpoint is ``.metadata`` (written last by the coordinator: DCP's commit record) and
 ``__<rank>_<n>.distcp`` data files; Megatron-Core's ``torch_dist`` checkpoints are DCP
-checkpoints too.  Nothing here parses those files: the layout comes from
-``FileSystemReader.read_metadata()`` and the bytes from ``torch.distributed.checkpoint.load``
-with ``no_dist=True`` (each process reads on its own; no process group needed).
+checkpoints too.  The layout comes from ``.metadata`` and the bytes from
+``torch.distributed.checkpoint.load`` with ``no_dist=True`` (each process reads on its own; no
+process group needed).
+
+``.metadata`` is a pickle, and torch's own ``FileSystemReader.read_metadata()`` is a plain
+``pickle.load``: a crafted file would run code.  So every read of it, ours and the one
+``torch.distributed.checkpoint.load`` makes itself, goes through :mod:`.dcp_metadata`'s
+restricted unpickler (DCP's metadata classes, ``torch.Size``, dtypes and a few inert builtins;
+nothing else is imported or called): torch is given :func:`~.dcp_metadata.safe_reader`, a
+``FileSystemReader``/``FsspecReader`` whose ``read_metadata`` is that one.  A file that asks for
+anything else raises :class:`~ckptd.errors.UnsafeCheckpointError` and runs nothing.
 
 Tensors are grouped into components by the first element of their original nested path
 (``{"model": ..., "optimizer": ...}`` saves); a flat state dict is the ``model`` component.
 Non-tensor entries (an optimizer's ``param_groups``, Megatron's ``ShardedObject`` pieces) are
 ``torch.save`` pickles in DCP: :func:`read_dcp_objects` fetches their bytes through torch's
 reader and decodes them with ``torch.load(weights_only=True)`` only (never arbitrary pickle);
-:func:`nest_dcp` puts a component's values back into its original nested structure.
+tensor reads use a planner that refuses such entries outright (torch's default planner would
+``torch.load(weights_only=False)`` them).  :func:`nest_dcp` puts a component's values back into
+their original nested structure.
 """
 
 from __future__ import annotations
@@ -26,10 +36,11 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError, KeyMismatchError, UnsafeCheckpointError
+from ..errors import CkptdError, CorruptCheckpointError, KeyMismatchError, UnsafeCheckpointError
 from ..formats.manifest import TensorRecord
 from ..formats.torch_dtypes import dtype_name
-from .fetch import Destination
+from .dcp_metadata import safe_reader
+from .fetch import Destination, empty_tensor
 
 __all__ = [
     "DCP_METADATA",
@@ -74,13 +85,45 @@ class DcpLayout:
 
 
 def _reader(directory: str, local: bool, storage_options: Mapping[str, Any] | None) -> Any:
-    if local:
-        from torch.distributed.checkpoint import FileSystemReader
+    """torch's reader for ``directory``, its ``.metadata`` read through the allowlist only."""
+    return safe_reader(directory, local=local, storage_options=storage_options)
 
-        return FileSystemReader(directory)
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    return FsspecReader(directory, **dict(storage_options or {}))
+def _torch_load(directory: str, reader: Any, state: dict[str, Any], planner: Any, what: str) -> None:
+    """``torch.distributed.checkpoint.load`` in this process alone, its failures as ckptd errors.
+
+    torch wraps every failure in ``CheckpointException`` (a ``BaseException``), and turns a
+    failed ``read_metadata`` into a bare ``AssertionError`` naming it: the reader keeps its own
+    refusal (``ckptd_error``), which is raised as it was; a ckptd error from the planner too;
+    an interrupt stays an interrupt; anything else is a :class:`CorruptCheckpointError`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        try:
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+        except (Exception, CheckpointException) as e:
+            cause = getattr(reader, "ckptd_error", None) or _wrapped(e)
+            if cause is not None:
+                raise cause from e
+            raise CorruptCheckpointError(f"{directory}: torch could not read {what} ({e})") from e
+
+
+def _wrapped(error: BaseException) -> BaseException | None:
+    """A ckptd error or an interrupt that torch's ``CheckpointException`` wraps, if any."""
+    failures = getattr(error, "failures", None)
+    for failure in failures.values() if isinstance(failures, dict) else ():
+        cause = failure[0] if isinstance(failure, tuple) and failure else None  # (exception, stack summary)
+        if isinstance(cause, CkptdError) or (isinstance(cause, BaseException) and not isinstance(cause, Exception)):
+            return cause
+    return None
+
+
+def _path(paths: Any, fqn: str) -> tuple[Any, ...]:
+    """An entry's original nested path from DCP's planner data (the name itself if none)."""
+    path = paths.get(fqn) if isinstance(paths, dict) else None
+    return tuple(path) if isinstance(path, (tuple, list)) and path else (fqn,)
 
 
 def read_dcp_layout(
@@ -91,15 +134,17 @@ def read_dcp_layout(
 
     try:
         metadata = _reader(directory, local, storage_options).read_metadata()
-    except Exception as e:  # torch raises assorted types for a damaged .metadata
-        raise CorruptCheckpointError(f"{directory}/{DCP_METADATA}: torch cannot read this DCP metadata ({e})") from e
-    paths = metadata.planner_data or {}
+    except CkptdError:
+        raise  # refused by the allowlist, or not DCP metadata: the message names the file
+    except Exception as e:  # the file cannot be opened or read: assorted types
+        raise CorruptCheckpointError(f"{directory}/{DCP_METADATA}: cannot read this DCP metadata ({e})") from e
+    paths = metadata.planner_data
     entries = metadata.state_dict_metadata
     tensors = {fqn: md for fqn, md in entries.items() if isinstance(md, TensorStorageMetadata)}
     skipped = tuple(sorted(fqn for fqn in entries if fqn not in tensors))
-    nested = {fqn: tuple(str(p) for p in paths.get(fqn, (fqn,))) for fqn in tensors}
+    nested = {fqn: tuple(str(p) for p in _path(paths, fqn)) for fqn in tensors}
     flat = all(len(path) == 1 for path in nested.values())
-    original = {fqn: tuple(p if isinstance(p, int) else str(p) for p in paths.get(fqn, (fqn,))) for fqn in entries}
+    original = {fqn: tuple(p if isinstance(p, int) else str(p) for p in _path(paths, fqn)) for fqn in entries}
     components: dict[str, dict[str, str]] = {}
     for fqn, path in nested.items():
         if flat:
@@ -128,22 +173,34 @@ def read_dcp_tensors(
     storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Whole CPU tensors for ``fqns``, read by ``torch.distributed.checkpoint.load``."""
-    import torch.distributed.checkpoint as dcp
-
     wanted = list(dict.fromkeys(fqns))
     unknown = [fqn for fqn in wanted if fqn not in layout.shapes]
     if unknown:
         raise KeyMismatchError(f"{directory}: the DCP checkpoint has no tensor(s) {unknown[:5]}")
-    state = {fqn: torch.empty(layout.shapes[fqn], dtype=layout.dtypes[fqn]) for fqn in wanted}
+    state = {
+        fqn: empty_tensor(layout.shapes[fqn], layout.dtypes[fqn], f"{directory}: DCP tensor {fqn!r}") for fqn in wanted
+    }
     if not state:
         return {}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        try:
-            dcp.load(state, storage_reader=_reader(directory, local, storage_options), no_dist=True)
-        except Exception as e:  # torch wraps per-rank failures in CheckpointException
-            raise CorruptCheckpointError(f"{directory}: torch could not read the DCP data files ({e})") from e
+    reader = _reader(directory, local, storage_options)
+    _torch_load(directory, reader, state, _tensor_planner(directory), "the DCP data files")
     return state
+
+
+def _tensor_planner(directory: str) -> Any:
+    """torch's default load planner, except that an entry stored as pickled bytes is refused
+    (the default would ``torch.load(weights_only=False)`` it): only tensors are asked for, so
+    bytes mean the ``.metadata`` changed since the layout was read."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class _TensorsOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            raise UnsafeCheckpointError(
+                f"{directory}: DCP entry {read_item.dest_index.fqn!r} is stored as pickled bytes, not a tensor "
+                "(its .metadata changed while it was read?); ckptd does not unpickle it"
+            )
+
+    return _TensorsOnlyPlanner()
 
 
 def fetch_dcp(
@@ -195,23 +252,12 @@ def read_dcp_objects(
     """The non-tensor entries ``fqns`` of a DCP checkpoint, read by torch's reader and decoded
     with ``torch.load(weights_only=True)``; a value that would need arbitrary pickle raises
     :class:`~ckptd.errors.UnsafeCheckpointError` naming the entry."""
-    import torch.distributed.checkpoint as dcp
-
     wanted = list(dict.fromkeys(fqns))
     if not wanted:
         return {}
     planner = _bytes_planner()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        try:
-            dcp.load(
-                dict.fromkeys(wanted),
-                storage_reader=_reader(directory, local, storage_options),
-                planner=planner,
-                no_dist=True,
-            )
-        except Exception as e:  # torch wraps per-rank failures in CheckpointException
-            raise CorruptCheckpointError(f"{directory}: torch could not read the DCP entries {wanted[:5]} ({e})") from e
+    reader = _reader(directory, local, storage_options)
+    _torch_load(directory, reader, dict.fromkeys(wanted), planner, f"the DCP entries {wanted[:5]}")
     out: dict[str, Any] = {}
     for fqn in wanted:
         try:

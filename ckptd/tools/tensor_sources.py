@@ -4,7 +4,10 @@ A source is a ckptd checkpoint, an HF model directory (safetensors or ``.bin`` s
 files) or a PyTorch DCP checkpoint.  ckptd and safetensors sources are read one tensor at a time,
 so memory stays bounded by the largest tensor; PyTorch DCP checkpoints and ``.bin`` files are
 loaded whole by torch's own readers (``torch.distributed.checkpoint.FileSystemReader``, as
-``dcp_to_torch_save`` does; ``torch.load(weights_only=True)``), never by arbitrary unpickling.
+``dcp_to_torch_save`` does; ``torch.load(weights_only=True)``), never by arbitrary unpickling:
+a DCP ``.metadata`` is read through :mod:`ckptd.load.dcp_metadata`'s allowlist (torch's own
+``read_metadata`` is a plain ``pickle.load``).  A directory with a ckptd manifest is a ckptd
+source even if a ``.metadata`` lies beside it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ConfigError
+from ..formats.manifest import is_foreign_manifest
+from ..formats.names import MANIFEST_NAME
 
 __all__ = [
     "DCP_METADATA",
@@ -30,8 +35,16 @@ HF_CONFIG = "config.json"
 
 
 def is_dcp_checkpoint(path: str) -> bool:
-    """A local directory holding a PyTorch DCP checkpoint (its ``.metadata`` file)."""
-    return "://" not in path and os.path.isfile(os.path.join(path, DCP_METADATA))
+    """A local directory holding a PyTorch DCP checkpoint (its ``.metadata`` file) and no ckptd
+    manifest: ckptd's own manifest is looked at first, as :meth:`CheckpointReader.open` does, so a
+    ckptd checkpoint never has its ``.metadata`` (anyone's file) read."""
+    if "://" in path or not os.path.isfile(os.path.join(path, DCP_METADATA)):
+        return False
+    manifest = os.path.join(path, MANIFEST_NAME)
+    if not os.path.isfile(manifest):
+        return True
+    with open(manifest, "rb") as f:
+        return is_foreign_manifest(f.read())
 
 
 class Tensors:
@@ -87,9 +100,10 @@ def from_reader(path: str, component: str | None, storage_options: dict[str, Any
 
 
 def load_dcp(path: str) -> dict[str, Any]:
-    """A whole DCP checkpoint, read by torch's own FileSystemReader: tensors, and the other
-    entries decoded with ``torch.load(weights_only=True)`` (never arbitrary pickle), in their
-    saved structure (a flat save is ``{"model": ...}``)."""
+    """A whole DCP checkpoint, read by torch's own FileSystemReader (its ``.metadata`` through
+    ckptd's allowlist): tensors, and the other entries decoded with
+    ``torch.load(weights_only=True)`` (never arbitrary pickle), in their saved structure (a flat
+    save is ``{"model": ...}``)."""
     from ..load.dcp import nest_dcp, read_dcp_layout, read_dcp_objects, read_dcp_tensors
 
     layout = read_dcp_layout(path)

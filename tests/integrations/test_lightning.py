@@ -4,6 +4,7 @@ entries without pickle, scoped pickle opt-in, and a SIGKILLed run resumed to the
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 import torch
@@ -142,3 +143,28 @@ def test_removal_waits_for_the_newer_save(tmp_path):
     assert not os.path.exists(old)
     assert torch.equal(io.load_checkpoint(new)["state_dict"]["w"], torch.full((3,), 2.0))
     io.teardown()
+
+
+class _Payload:
+    """Unpickling it leaves a marker file (what a hostile ``.ckpt`` would run instead)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (open, (self.marker, "w"))
+
+
+def test_a_plain_ckpt_file_is_never_unpickled_unless_asked(tmp_path):
+    marker = str(tmp_path / "ran")
+    path = str(tmp_path / "hostile.ckpt")
+    torch.save({"state_dict": {}, "payload": _Payload(marker)}, path)
+    io = CkptdCheckpointIO()
+    try:
+        with pytest.raises(pickle.UnpicklingError):
+            io.load_checkpoint(path)  # Lightning's default weights_only=None
+        assert not os.path.exists(marker)
+        io.load_checkpoint(path, weights_only=False)  # the caller opted in
+        assert os.path.exists(marker)
+    finally:
+        io.teardown()
