@@ -24,18 +24,11 @@ from typing import Any
 
 import torch
 
-from .catalog import (
-    CheckpointInfo,
-    checkpoint_dir_name,
-    collect_garbage,
-    find_step,
-    latest_checkpoint,
-    list_checkpoints,
-    read_manifest,
-)
+from .catalog import CheckpointInfo, checkpoint_dir_name, find_step, latest_checkpoint, list_checkpoints, read_manifest
 from .dist.group import DistContext, group_leaders
-from .errors import CheckpointNotFoundError, CkptdError, ConfigError
+from .errors import CheckpointNotFoundError, CheckpointReplacedError, CkptdError, ConfigError
 from .formats.manifest import Manifest
+from .garbage import collect_garbage
 from .load.assign import read_components, read_keys, restore_components
 from .load.reader import CheckpointReader
 from .options import CheckpointerOptions, check_staging
@@ -52,6 +45,11 @@ from .writer.owner import bind_to_process, check_process, unbind
 __all__ = ["Checkpointer"]
 
 logger = logging.getLogger(__name__)
+
+LOAD_ATTEMPTS = 5
+"""Tries of :meth:`Checkpointer.load` when the checkpoint is replaced while it is read (each opens
+it afresh: the version committed by then is as good an answer)."""
+_REPLACED_DELAY = 0.1  # seconds before the third try, times 3 before each next one (the second is at once)
 
 
 class Checkpointer:
@@ -72,8 +70,9 @@ class Checkpointer:
             ``keep_last=3``, ``storage_options={...}``, ``incremental=True``, ...), winning over
             ``options``.  An unknown name is a :class:`~ckptd.errors.ConfigError`.
 
-    With ``incremental``, the manifest references the earlier checkpoint's files (which
-    retention keeps alive); HF tools need a self-contained copy: ``ckptd consolidate``.
+    With ``incremental``, unchanged files are not written again but hard-linked (or copied
+    server-side) from the previous checkpoint: every checkpoint holds all of its files and
+    stands alone (``keep_last``, ``rm``, ``from_pretrained`` treat each one on its own).
 
     Use as a context manager, or call :meth:`close`; pending saves are finished first.
     """
@@ -392,8 +391,48 @@ class Checkpointer:
         targets receive exactly their piece, whatever world size and layout the checkpoint was
         saved with; components saved per rank come back as this rank's copy;
         ``sharing={"model": ("per_group", group)}`` picks this group's copy of a per-group save.
+
+        A load reads one version of the checkpoint, never parts of two.  If the checkpoint is
+        overwritten while it is read (another process saving the same step with
+        ``overwrite=True``), the load starts again on the version now committed, up to
+        ``LOAD_ATTEMPTS`` times in all, then raises :class:`~ckptd.errors.CheckpointReplacedError`.
+        With ``into=``, every byte range is read and found to be of one version before anything
+        is assigned.  Tensors read in place (a module's own) take no byte of another version on
+        local disk and S3 (a replacement is noticed before a byte is read); on other object
+        stores a retry reads the version now committed over them.
         """
         self._check_open()
+        keys = None if keys is None else list(keys)  # read again by a retry
+        components = None if components is None else list(components)
+        for attempt in range(1, LOAD_ATTEMPTS + 1):
+            try:
+                return self._load_once(
+                    step, into, components, keys, device, strict, assign, verify, allow_pickle, cache_dir, sharing
+                )
+            except (CheckpointReplacedError, CheckpointNotFoundError) as e:
+                # Not found after a replacement: an object-store overwrite between removing the old
+                # manifest and writing the new one.  Not found at first is the answer.
+                if attempt == LOAD_ATTEMPTS or (attempt == 1 and isinstance(e, CheckpointNotFoundError)):
+                    raise
+                logger.info("ckptd: load of %s: %s; loading again (try %d of %d)", step, e, attempt + 1, LOAD_ATTEMPTS)
+                time.sleep(_REPLACED_DELAY * (3 ** (attempt - 2)) if attempt > 1 else 0.0)
+        raise AssertionError("unreachable")  # pragma: no cover - the last try returns or raises
+
+    def _load_once(
+        self,
+        step: int | str | os.PathLike[str],
+        into: Mapping[str, Any] | None,
+        components: list[str] | None,
+        keys: list[str] | None,
+        device: str | torch.device,
+        strict: bool,
+        assign: bool,
+        verify: bool,
+        allow_pickle: bool | None,
+        cache_dir: str | os.PathLike[str] | None,
+        sharing: Mapping[str, Any] | None,
+    ) -> Any:
+        """One try of :meth:`load`, on the version committed when it opens the checkpoint."""
         reader = CheckpointReader.open(
             self._resolve(step),
             self.options.storage_options,
@@ -401,27 +440,28 @@ class Checkpointer:
             cache_dir=cache_dir if cache_dir is not None else self.options.cache_dir,
             tuning=self.options.tuning,
         )
-        pickle_ok = self.options.allow_pickle if allow_pickle is None else allow_pickle
-        rank = self._dist.rank if self._dist else 0
-        groups = group_leaders(sharing)
-        if into is not None:
-            restore_components(
-                reader,
-                into,
-                strict=strict,
-                assign=assign,
-                device=device,
-                verify=verify,
-                allow_pickle=pickle_ok,
-                rank=rank,
-                groups=groups,
+        with reader:
+            pickle_ok = self.options.allow_pickle if allow_pickle is None else allow_pickle
+            rank = self._dist.rank if self._dist else 0
+            groups = group_leaders(sharing)
+            if into is not None:
+                restore_components(
+                    reader,
+                    into,
+                    strict=strict,
+                    assign=assign,
+                    device=device,
+                    verify=verify,
+                    allow_pickle=pickle_ok,
+                    rank=rank,
+                    groups=groups,
+                )
+                return None
+            if keys is not None:
+                return read_keys(reader, keys, device=device, verify=verify, rank=rank, groups=groups)
+            return read_components(
+                reader, components, device=device, verify=verify, allow_pickle=pickle_ok, rank=rank, groups=groups
             )
-            return None
-        if keys is not None:
-            return read_keys(reader, keys, device=device, verify=verify, rank=rank, groups=groups)
-        return read_components(
-            reader, components, device=device, verify=verify, allow_pickle=pickle_ok, rank=rank, groups=groups
-        )
 
     # ---- lifecycle -------------------------------------------------------------------------
 

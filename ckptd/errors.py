@@ -8,8 +8,10 @@ keep working.  This module imports nothing heavy: the writer process uses it too
 from __future__ import annotations
 
 __all__ = [
+    "AllocationError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CheckpointReplacedError",
     "CkptdError",
     "ConfigError",
     "CorruptCheckpointError",
@@ -42,6 +44,13 @@ class CheckpointNotFoundError(CkptdError, FileNotFoundError):
     """No committed checkpoint (or no known checkpoint format) exists where one was asked for."""
 
 
+class CheckpointReplacedError(CkptdError, RuntimeError):
+    """A checkpoint was replaced (overwritten or deleted) while it was being read: a file of the
+    version being read is gone, or (object stores) its manifest changed.  Nothing of two versions
+    was combined; open it again to read the version now committed (``Checkpointer.load`` does, a
+    few times, before it raises this)."""
+
+
 class CheckpointExistsError(CkptdError, FileExistsError):
     """A committed checkpoint already exists at the destination and overwriting was not asked."""
 
@@ -52,11 +61,18 @@ class ForeignFilesError(CheckpointExistsError):
 
 
 class ReferencedCheckpointError(CkptdError, PermissionError):
-    """A checkpoint cannot be overwritten or deleted: incremental saves reference its files."""
+    """A checkpoint cannot be overwritten or deleted: checkpoints of an older ckptd version
+    reference its files (their incremental saves pointed into it; new ones link their files)."""
 
 
 class CorruptCheckpointError(CkptdError, ValueError):
     """A checkpoint file is truncated, malformed or fails its checksum."""
+
+
+class AllocationError(CkptdError, MemoryError):
+    """Memory for a tensor being loaded cannot be had: more bytes than this machine holds (RAM
+    and swap), or the allocator refused them.  The checkpoint may be valid; this machine cannot
+    load it into fresh memory (or the sizes it states were crafted)."""
 
 
 class UnsafeCheckpointError(CkptdError, PermissionError):

@@ -43,9 +43,9 @@ class CheckpointManager:
     Args:
         root: directory or fsspec URL of the checkpoints (``checkpoint-<step>/`` under it).
         policy: a :class:`CheckpointPolicy` (default: save only when asked, keep everything).
-        checkpointer: an existing :class:`Checkpointer` to use (not closed by :meth:`close`);
-            otherwise one is created from ``root`` and ``checkpointer_options`` (its own
-            ``keep_last`` must stay unset: the manager does the retention).
+        checkpointer: an existing :class:`Checkpointer` to use (not closed by :meth:`close`;
+            its ``keep_last`` must be unset: the manager does the retention); otherwise one is
+            created from ``root`` and ``checkpointer_options`` (without ``keep_last``).
         **checkpointer_options: keyword arguments of :class:`Checkpointer`.
 
     Under torch.distributed every rank creates the manager and calls :meth:`maybe_save` with
@@ -71,6 +71,12 @@ class CheckpointManager:
         else:
             if checkpointer_options:
                 raise ConfigError(f"checkpointer= was given; {sorted(checkpointer_options)} would be ignored")
+            if checkpointer.options.keep_last is not None:
+                # Two owners of retention with different rules would each delete what the other keeps.
+                raise ConfigError(
+                    "the Checkpointer given to a CheckpointManager has keep_last set; retention is the manager's: "
+                    "pass keep_last in CheckpointPolicy instead"
+                )
             self._owns = False
         self.checkpointer = checkpointer
         self.policy = policy or CheckpointPolicy()
@@ -308,19 +314,35 @@ class CheckpointManager:
     def apply_retention(self) -> list[int]:
         """Delete the committed checkpoints no rule keeps; returns their steps.  Runs by itself
         after each commit (on a background thread); checkpoints of saves still in flight are
-        not committed yet and never touched."""
+        not committed yet and never touched, nor are those such saves read files from.
+
+        Rules count the checkpoints this run committed as the newest, in the order it committed
+        them, after the ones it found (:class:`~ckptd.retention.RunRecord`): after a rollback
+        (resumed from step 50 under a root holding 100), the new saves are what ``keep_last``
+        keeps, and deleting the abandoned later steps is logged as a warning."""
         if self.policy.retains_all:
             return []
-        checkpoints = list_checkpoints(self._storage, self.root, self._listed)
-        kept = select_kept(checkpoints, self.policy, self._preserved)
-        removed = []
-        for info in checkpoints:
-            if info.step not in kept:
-                remove_checkpoint(self._storage, info.path)
-                removed.append(info.step)
+        run = self.checkpointer._saver.run
+        with run.lock:
+            checkpoints = run.ordered(list_checkpoints(self._storage, self.root, self._listed))
+            kept = select_kept(checkpoints, self.policy, self._preserved, run)
+        doomed = [info for info in reversed(checkpoints) if info.step not in kept]  # newest first
+        for info in doomed:
+            remove_checkpoint(self._storage, info.path)
+        removed = [info.step for info in doomed]
         if removed:
-            logger.info("ckptd: retention removed steps %s under %s", removed, self.root)
-        return removed
+            newest = checkpoints[-1].step
+            later = sorted(step for step in removed if step > newest)
+            if later:
+                logger.warning(
+                    "ckptd: retention under %s removed steps %s, later than this run's newest checkpoint %s "
+                    "(the run resumed from an earlier step)",
+                    self.root,
+                    later,
+                    newest,
+                )
+            logger.info("ckptd: retention removed steps %s under %s", sorted(removed), self.root)
+        return sorted(removed)
 
     # ---- lifecycle -------------------------------------------------------------------------
 

@@ -14,8 +14,10 @@ from typing import Any
 
 from .errors import ConfigError
 from .storage.base import (
+    DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_PART_CONCURRENCY,
     DEFAULT_PART_SIZE,
+    DEFAULT_READ_TIMEOUT,
     DEFAULT_RETRY_ATTEMPTS,
     MIN_PART_SIZE,
     StorageTuning,
@@ -103,6 +105,8 @@ _ENV_SECONDS = {
     "writer_start_timeout": "CKPTD_WRITER_START_TIMEOUT",
     "cleanup_timeout": "CKPTD_CLEANUP_TIMEOUT",
     "dist_timeout": "CKPTD_DIST_TIMEOUT",
+    "connect_timeout": "CKPTD_CONNECT_TIMEOUT",
+    "read_timeout": "CKPTD_READ_TIMEOUT",
 }
 
 
@@ -118,10 +122,15 @@ class CheckpointerOptions:
     Layout and durability:
         ``max_shard_size``: largest shard file (``CKPTD_MAX_SHARD_SIZE``).
         ``fsync``: make files durable before committing (local storage).
-        ``keep_last``: keep only this many newest checkpoints (older ones are deleted after a commit).
+        ``keep_last``: keep only this many newest checkpoints (older ones are deleted after a commit;
+        this run's own saves count as the newest, in the order it made them).
         ``allow_pickle``: allow arbitrary objects in the state (pickled); loading needs it too.
-        ``incremental``: reuse unchanged files of the previous save (``True``: files of frozen
-        tensors; ``"hash"``: also any file whose CRC32C the writer finds unchanged).
+        ``incremental``: do not rewrite unchanged files of the previous save (``True``: files of
+        frozen tensors; ``"hash"``: also any file whose SHA-256 the writer finds unchanged): each
+        checkpoint still holds all its files, hard-linked on local disk (copied where links
+        fail), copied server-side on object stores, so any checkpoint can be deleted, moved or
+        read by HF tools on its own.  Disk use: linked files cost their bytes once, however many
+        checkpoints hold them; ``keep_last=N`` keeps exactly N checkpoints.
         ``key_layout``: where shard files go in a checkpoint directory: ``"flat"`` (beside the
         manifest, HF's layout) or ``"spread"`` (under a two-hex-digit subdirectory hashed from
         the file name, ``checkpoint-N/3f/model-00001-of-00008.safetensors``), so many writers on
@@ -152,6 +161,12 @@ class CheckpointerOptions:
         ``storage_options``: passed to fsspec unchanged (endpoint, credentials...).
         ``part_size`` (``CKPTD_PART_SIZE``), ``part_concurrency`` (parts in flight per save,
         ``CKPTD_PART_CONCURRENCY``), ``retry_attempts`` (tries per request, ``CKPTD_RETRY_ATTEMPTS``).
+        ``connect_timeout`` (``CKPTD_CONNECT_TIMEOUT``, default 5 s) and ``read_timeout``
+        (``CKPTD_READ_TIMEOUT``, default 15 s) bound every try of a request: opening the
+        connection, and the silence of a peer that neither answers nor takes the bytes sent, so a
+        frozen endpoint fails within ``retry_attempts * (connect_timeout + read_timeout)`` (2
+        minutes by default) plus the backoff.  A client config given in ``storage_options``
+        (``config_kwargs`` for S3, ``requests_timeout`` for GCS) wins.
         ``cache_dir``: local directory caching files of remote checkpoints read by ``load``.
         ``cleanup_timeout``: seconds ``close()`` keeps retrying removal of failed saves' leftovers.
     Distributed:
@@ -181,6 +196,8 @@ class CheckpointerOptions:
     part_size: int | str = DEFAULT_PART_SIZE
     part_concurrency: int = DEFAULT_PART_CONCURRENCY
     retry_attempts: int = DEFAULT_RETRY_ATTEMPTS
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    read_timeout: float = DEFAULT_READ_TIMEOUT
     cache_dir: str | None = None
     cleanup_timeout: float = DEFAULT_CLEANUP_TIMEOUT
     coordinator_rank: int = 0
@@ -212,6 +229,11 @@ class CheckpointerOptions:
             raise ConfigError(f"writer_ionice must be 0..7 or None, got {self.writer_ionice}")
         if self.dist_timeout <= 0 or self.writer_start_timeout <= 0:
             raise ConfigError("dist_timeout and writer_start_timeout must be positive")
+        if not (self.connect_timeout > 0 and self.read_timeout > 0):
+            raise ConfigError(
+                f"connect_timeout and read_timeout must be positive seconds, got "
+                f"{self.connect_timeout!r} and {self.read_timeout!r}"
+            )
 
     @property
     def shard_bytes(self) -> int:
@@ -268,6 +290,8 @@ class CheckpointerOptions:
             part_size=int(self.part_size),
             part_concurrency=self.part_concurrency,
             retry_attempts=self.retry_attempts,
+            connect_timeout=float(self.connect_timeout),
+            read_timeout=float(self.read_timeout),
             direct_io=self.direct_io,
             drop_cache=self.drop_cache,
         )

@@ -15,10 +15,14 @@ __all__ = ["SaveRequest", "SaveResult"]
 
 @dataclass(frozen=True)
 class SaveResult:
-    """A committed checkpoint: where it is, the bytes this save wrote (``bytes_reused`` more
-    are referenced from earlier checkpoints by an incremental save), how long each phase took
+    """A committed checkpoint: where it is, the bytes this save wrote, how long each phase took
     (seconds: ``plan``, ``wait``, ``stage``, ``blocking``, ``write``, ``commit``, ``total``) and
-    how many object-store requests were retried (``retries``)."""
+    how many object-store requests were retried (``retries``).
+
+    An incremental save also holds files it did not write: ``bytes_linked`` (hard links to the
+    previous checkpoint's files: no byte read or written) and ``bytes_copied`` (copied where
+    links fail, or server-side on object stores: no byte sent from this machine);
+    ``bytes_reused`` is their sum.  The checkpoint holds every one of its files either way."""
 
     step: int | None
     path: str
@@ -26,6 +30,8 @@ class SaveResult:
     timings: dict[str, float] = field(default_factory=dict)
     bytes_reused: int = 0
     retries: int = 0
+    bytes_linked: int = 0
+    bytes_copied: int = 0
 
     @property
     def throughput(self) -> float:

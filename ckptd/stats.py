@@ -341,7 +341,7 @@ def prometheus_text(stats: StatsSummary | None = None) -> str:
     metric(
         "ckptd_bytes_reused_total",
         "counter",
-        "Bytes referenced from earlier checkpoints by incremental saves.",
+        "Bytes incremental saves linked or copied from the previous checkpoint instead of writing them.",
         [("", s.bytes_reused)],
     )
     metric("ckptd_storage_retries_total", "counter", "Object-store requests retried by saves.", [("", s.retries)])

@@ -377,3 +377,21 @@ def storage_place(request: Any, tmp_path: Any) -> Iterator[StoragePlace]:
     finally:
         if backend in ("memory", "gcs"):  # shared by the whole session: leave nothing behind
             place.storage.remove_tree(root)
+
+
+# ---- checkpoints written by older ckptd versions ------------------------------------------------
+
+LEGACY_INCREMENTAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "save", "data", "legacy_incremental")
+
+
+@pytest.fixture
+def legacy_root(tmp_path: Any) -> str:
+    """A copy of a root written by ckptd at 645fdbc, before checkpoints were self-contained:
+    ``incremental=True``, steps 1-3 of a model with a frozen ``base`` (Linear 8x8) and a
+    trainable ``adapter`` (Linear 8x4) whose bias is filled with the step, plus ``{"data":
+    {"step": step}}``; the manifests of 2 and 3 reference checkpoint-1's frozen shard."""
+    import shutil
+
+    target = str(tmp_path / "legacy")
+    shutil.copytree(LEGACY_INCREMENTAL, target)
+    return target

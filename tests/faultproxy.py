@@ -1,9 +1,10 @@
 """A small HTTP/1.1 proxy on 127.0.0.1 that sits between a client and a real server.
 
 It forwards requests unchanged, records what went through (method, path, status, response body
-bytes, the request's ``x-amz-checksum-crc32c`` header and the CRC32C of the body it carried), and
-on demand injects faults: ``503 SlowDown`` answers, connection resets, or going down
-entirely (refusing connections) and coming back on the same port.
+bytes, the request's headers, its ``x-amz-checksum-crc32c`` header, its body's length and CRC32C),
+and on demand injects faults: ``503 SlowDown`` answers, connection resets, stalls (a server that
+stops reading, or never answers), or going down entirely (refusing connections) and coming back on
+the same port.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import contextlib
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import crc32c
 
@@ -36,11 +38,16 @@ class Exchange:
     response_bytes: int
     sent_crc32c: str | None = None  # the request's x-amz-checksum-crc32c header
     body_crc32c: str = ""  # base64 of the big-endian CRC32C of the request body, as S3 spells it
+    request_bytes: int = 0  # the request body's length as received (chunked framing included)
+    request_headers: dict[str, str] = field(default_factory=dict)  # lower-case names
 
 
 @dataclass
 class _Rule:
-    kind: str  # "503", "reset" (before forwarding), "lost-reply" (after forwarding) or "down"
+    # "503", "reset" (before forwarding), "lost-reply" (after forwarding), "down", "stall" (stop
+    # reading after the request's head and never answer), "stall-reply" (read the request whole,
+    # never forward or answer it) or "slow" (read the body at slow_rate bytes/s, then forward)
+    kind: str
     remaining: int
     match: Matcher
     after: int = 0  # for "down": let this many matching requests through first
@@ -71,6 +78,22 @@ def _read_exact(sock: socket.socket, buffer: bytearray, count: int) -> bytes:
     out = bytes(buffer[:count])
     del buffer[:count]
     return out
+
+
+def _read_slowly(sock: socket.socket, buffer: bytearray, count: int, rate: float) -> bytes:
+    """``count`` bytes, taken from the socket at about ``rate`` bytes per second."""
+    out = bytearray()
+    while len(out) < count:
+        if not buffer:
+            data = sock.recv(min(65536, count - len(out)))
+            if not data:
+                raise _Closed()
+            buffer.extend(data)
+        piece = bytes(buffer[: count - len(out)])
+        del buffer[: len(piece)]
+        out.extend(piece)
+        time.sleep(len(piece) / rate)
+    return bytes(out)
 
 
 def _headers(head: bytes) -> dict[str, str]:
@@ -117,10 +140,17 @@ def _reset(sock: socket.socket) -> None:
 
 
 class FaultProxy:
-    """Forwards to ``upstream`` (host, port); see the module docstring."""
+    """Forwards to ``upstream`` (host, port); see the module docstring.
 
-    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+    ``receive_buffer`` (bytes) fixes the kernel receive buffer of the connections it accepts: a
+    small one keeps a stalled request's body out of the kernel's buffers, so the client is still
+    sending it when the proxy stops reading (as with a frozen server and a large part).
+    """
+
+    def __init__(self, upstream_host: str, upstream_port: int, receive_buffer: int | None = None) -> None:
         self.upstream = (upstream_host, upstream_port)
+        self.receive_buffer = receive_buffer
+        self.slow_rate = 1024.0 * 1024.0  # bytes per second a "slow" request's body is read at
         self.exchanges: list[Exchange] = []
         self.injected: list[tuple[str, str, str]] = []
         self._rules: list[_Rule] = []
@@ -129,6 +159,7 @@ class FaultProxy:
         self._listener: socket.socket | None = None
         self.port = 0
         self.down_event = threading.Event()
+        self._released = threading.Event()  # set: stalled connections are let go (reset)
 
     @property
     def url(self) -> str:
@@ -139,17 +170,21 @@ class FaultProxy:
     def start(self) -> FaultProxy:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self.receive_buffer is not None:  # inherited by accepted sockets (and no autotuning)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.receive_buffer)
         listener.bind(("127.0.0.1", self.port))
         listener.listen(128)
         self.port = listener.getsockname()[1]
         self._listener = listener
         self.down_event.clear()
+        self._released.clear()
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
         return self
 
     def stop(self) -> None:
-        """Go down: refuse new connections and reset every open one."""
+        """Go down: refuse new connections and reset every open one (stalled ones included)."""
         self.down_event.set()
+        self._released.set()
         listener, self._listener = self._listener, None
         if listener is not None:
             with contextlib.suppress(OSError):
@@ -167,9 +202,19 @@ class FaultProxy:
 
     def inject(self, kind: str, count: int, match: Matcher = lambda m, p: True) -> None:
         """Answer the next ``count`` matching requests with a fault: ``"503"``, ``"reset"`` (the
-        request never reaches the server) or ``"lost-reply"`` (it does; the answer is lost)."""
+        request never reaches the server), ``"lost-reply"`` (it does; the answer is lost),
+        ``"stall"`` (the proxy reads the request's head, then neither reads the rest nor answers:
+        a frozen server), ``"stall-reply"`` (it reads the whole request and never answers) or
+        ``"slow"`` (it reads the body at ``slow_rate`` bytes per second: a slow, healthy link).
+        A stalled connection is held until :meth:`release_stalls` or :meth:`stop`; the request
+        never reaches the server."""
         with self._lock:
             self._rules.append(_Rule(kind, count, match))
+
+    def release_stalls(self) -> None:
+        """Let go of every stalled connection (reset it); later stalls are held again."""
+        self._released.set()
+        self._released = threading.Event()
 
     def go_down_after(self, count: int, match: Matcher) -> None:
         """Let ``count`` matching requests through, then go down at the next one."""
@@ -223,12 +268,22 @@ class FaultProxy:
                 request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
                 method, path = request_line.split(" ")[:2]
                 headers = _headers(head)
+                fault = self._fault_for(method, path)
                 if headers.get("expect", "").lower() == "100-continue":
                     client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                     head = b"\r\n".join(line for line in head.split(b"\r\n") if not line.lower().startswith(b"expect:"))
-                body = _read_body(client, inbound, headers)
+                if fault == "stall":
+                    self._hold(client)
+                    return
+                if fault == "slow" and "content-length" in headers:
+                    body = _read_slowly(client, inbound, int(headers["content-length"]), self.slow_rate)
+                else:
+                    body = _read_body(client, inbound, headers)
                 sent = base64.b64encode(crc32c.crc32c(body).to_bytes(4, "big")).decode("ascii")
-                fault = self._fault_for(method, path)
+                request_bytes = len(body)
+                if fault == "stall-reply":
+                    self._hold(client)
+                    return
                 if fault == "down":
                     self.stop()
                     return
@@ -242,7 +297,11 @@ class FaultProxy:
                         + _SLOW_DOWN
                     )
                     with self._lock:
-                        self.exchanges.append(Exchange(method, path, 503, 0))
+                        self.exchanges.append(
+                            Exchange(
+                                method, path, 503, 0, headers.get("x-amz-checksum-crc32c"), sent, request_bytes, headers
+                            )
+                        )
                     continue
                 if upstream is None:
                     upstream = socket.create_connection(self.upstream)
@@ -254,7 +313,9 @@ class FaultProxy:
                     _reset(client)
                     return
                 status, head, body = self._relay_response(upstream, outbound, client, method)
-                exchange = Exchange(method, path, status, len(body), headers.get("x-amz-checksum-crc32c"), sent)
+                exchange = Exchange(
+                    method, path, status, len(body), headers.get("x-amz-checksum-crc32c"), sent, request_bytes, headers
+                )
                 with self._lock:  # recorded before the client sees the reply: no race with the test
                     self.exchanges.append(exchange)
                 client.sendall(head + body)
@@ -267,6 +328,11 @@ class FaultProxy:
                         self._sockets.discard(sock)
                     with contextlib.suppress(OSError):
                         sock.close()
+
+    def _hold(self, client: socket.socket) -> None:
+        """Keep ``client`` open without reading from it or answering, until released."""
+        self._released.wait()
+        _reset(client)
 
     def _drain_response(self, upstream: socket.socket, buffer: bytearray, method: str) -> None:
         head = _read_until(upstream, buffer, b"\r\n\r\n")

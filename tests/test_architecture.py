@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("ckptd.storage",),
     ("ckptd.options", "ckptd.request", "ckptd.stats"),
     ("ckptd.formats", "ckptd.dist", "ckptd.writer"),
-    ("ckptd.catalog", "ckptd.retention"),
+    ("ckptd.catalog", "ckptd.retention", "ckptd.garbage"),
     ("ckptd.save", "ckptd.load"),
     ("ckptd.checkpointer", "ckptd.rng"),
     ("ckptd.compat", "ckptd.tools", "ckptd.cli", "ckptd.manager", "ckptd.integrations", "ckptd.__main__"),

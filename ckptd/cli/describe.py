@@ -67,6 +67,8 @@ def _info(args: argparse.Namespace, context: Context) -> Result:
         "largest_tensors": [],
         "files": [],
         "bytes_written": 0,
+        "bytes_linked": 0,
+        "bytes_copied": 0,
         "bytes_referenced": 0,
         "references": [],
         "non_tensor_components": [],
@@ -103,11 +105,11 @@ def _info(args: argparse.Namespace, context: Context) -> Result:
             for key, record in component.tensors.items():
                 tensors.append(_tensor_json(name, key, record.dtype, record.shape, record.nbytes, len(record.chunks)))
         body["files"] = [
-            {"name": name, "size": f.size, "crc32c": f.crc32c, "checkpoint": f.checkpoint}
+            {"name": name, "size": f.size, "crc32c": f.crc32c, "reused": f.reused, "checkpoint": f.checkpoint}
             for name, f in sorted(manifest.files.items())
         ]
         totals = file_totals(manifest)
-        body.update(bytes_written=totals["bytes_written"], bytes_referenced=totals["bytes_referenced"])
+        body.update({k: totals[k] for k in ("bytes_written", "bytes_linked", "bytes_copied", "bytes_referenced")})
         parent = os.path.dirname(reader.directory) if storage.local else reader.directory.rsplit("/", 1)[0]
         for name in totals["references"]:
             holder = storage.join(parent, name)
@@ -209,10 +211,13 @@ def _render_info(body: dict[str, Any], context: Context) -> None:
             say(f"  {t['component']}/{t['key']}  {t['dtype']}  [{shape}]  {human_size(t['bytes'])}{pieces}")
     say(
         f"files: {len(body['files'])}, {human_size(body['bytes_written'])} written here"
+        + (f", {human_size(body['bytes_linked'])} linked" if body["bytes_linked"] else "")
+        + (f", {human_size(body['bytes_copied'])} copied" if body["bytes_copied"] else "")
         + (f", {human_size(body['bytes_referenced'])} referenced" if body["bytes_referenced"] else "")
     )
     for f in body["files"]:
         where = f"  (in {f['checkpoint']})" if f["checkpoint"] else ""
+        where += f"  ({f['reused'].replace('_', ' ')} of the previous checkpoint's)" if f.get("reused") else ""
         crc = f"crc32c {f['crc32c']}" if f["crc32c"] else "no crc"
         say(f"  {f['name']}  {human_size(f['size'])}  {crc}{where}")
     for ref in body["references"]:

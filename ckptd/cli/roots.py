@@ -1,20 +1,22 @@
 """Commands on a root of checkpoints: ``ls``, ``gc``, ``rm`` (and the root checks they share).
 
-``ls`` reads manifests only; sizes come from them (bytes written by each save, bytes it
-references in earlier checkpoints after incremental saves) and from listing leftovers.
+``ls`` reads manifests only; sizes come from them (bytes each save wrote, and bytes an
+incremental save linked or copied from the previous checkpoint instead) and from listing
+leftovers.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointNotFoundError, ReferencedCheckpointError
 from ..storage import Storage, base_name, normalize_location, storage_for
 from .app import Context, Result
-from .output import EXIT_OK, EXIT_USAGE, CliError, human_size
+from .output import EXIT_OK, EXIT_STORAGE, EXIT_USAGE, CliError, Failure, human_size
 
 if TYPE_CHECKING:
     from ..formats.manifest import Manifest
@@ -39,7 +41,7 @@ def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     gc.add_argument("root")
     gc.add_argument("--older-than", type=float, default=24 * 3600, help="seconds, for other hosts' leftovers")
     gc.set_defaults(func=_gc)
-    rm = add("rm", "delete one committed checkpoint (refused while incremental saves reference it)")
+    rm = add("rm", "delete one committed checkpoint (refused while an older version's checkpoint references it)")
     rm.add_argument("root")
     rm.add_argument("step", type=int)
     rm.set_defaults(func=_rm)
@@ -74,14 +76,17 @@ def open_root(url: str, context: Context) -> tuple[Storage, str]:
 
 
 def file_totals(manifest: Manifest) -> dict[str, Any]:
-    written = sum(f.size for f in manifest.files.values() if f.checkpoint is None)
-    referenced = sum(f.size for f in manifest.files.values() if f.checkpoint is not None)
-    references = sorted({f.checkpoint for f in manifest.files.values() if f.checkpoint})
+    """A checkpoint's bytes by how its save made them: written, hard-linked or copied (local or
+    server-side) from the previous checkpoint by an incremental save; and, for checkpoints of
+    older versions only, the bytes referenced in the earlier checkpoints named in ``references``."""
+    files = manifest.files.values()
     return {
-        "bytes_written": written,
-        "bytes_referenced": referenced,
+        "bytes_written": sum(f.size for f in files if f.checkpoint is None and f.reused is None),
+        "bytes_linked": sum(f.size for f in files if f.reused == "link"),
+        "bytes_copied": sum(f.size for f in files if f.reused in ("copy", "server_copy")),
+        "bytes_referenced": sum(f.size for f in files if f.checkpoint is not None),
         "files": len(manifest.files),
-        "references": references,
+        "references": sorted({f.checkpoint for f in files if f.checkpoint}),
     }
 
 
@@ -89,7 +94,8 @@ def file_totals(manifest: Manifest) -> dict[str, Any]:
 
 
 def _ls(args: argparse.Namespace, context: Context) -> Result:
-    from ..catalog import find_leftovers, list_checkpoints
+    from ..catalog import list_checkpoints
+    from ..garbage import find_leftovers
 
     storage, root = open_root(args.root, context)
     checkpoints = [
@@ -119,7 +125,7 @@ def _ls(args: argparse.Namespace, context: Context) -> Result:
 
 
 def _render_ls(body: dict[str, Any], context: Context) -> None:
-    rows = [("STEP", "CREATED (UTC)", "WRITTEN", "REFERENCED", "FILES", "STATE", "NAME")]
+    rows = [("STEP", "CREATED (UTC)", "WRITTEN", "LINKED", "COPIED", "FILES", "STATE", "NAME")]
     for c in body["checkpoints"]:
         created = c["created_utc"].replace("T", " ")[:19]
         rows.append(
@@ -127,9 +133,10 @@ def _render_ls(body: dict[str, Any], context: Context) -> None:
                 str(c["step"]),
                 created,
                 human_size(c["bytes_written"]),
-                human_size(c["bytes_referenced"]) if c["bytes_referenced"] else "-",
+                human_size(c["bytes_linked"]) if c["bytes_linked"] else "-",
+                human_size(c["bytes_copied"]) if c["bytes_copied"] else "-",
                 str(c["files"]),
-                "committed",
+                "committed" if not c["references"] else f"committed (references {', '.join(c['references'])})",
                 base_name(c["path"]),
             )
         )
@@ -138,7 +145,7 @@ def _render_ls(body: dict[str, Any], context: Context) -> None:
             state = "saving"
         else:
             state = "incomplete" if item["kind"] == "incomplete" else f"incomplete ({item['kind']})"
-        rows.append(("-", "-", human_size(item["bytes"]), "-", str(item["files"]), state, item["name"]))
+        rows.append(("-", "-", human_size(item["bytes"]), "-", "-", str(item["files"]), state, item["name"]))
     if len(rows) == 1:
         context.say(f"no committed checkpoints under {body['root']}")
     else:
@@ -146,7 +153,7 @@ def _render_ls(body: dict[str, Any], context: Context) -> None:
         for row in rows:
             context.say(
                 "  ".join(
-                    cell.ljust(w) if i in (1, 5, 6) else cell.rjust(w)
+                    cell.ljust(w) if i in (1, 6, 7) else cell.rjust(w)
                     for i, (cell, w) in enumerate(zip(row, widths, strict=True))
                 ).rstrip()
             )
@@ -169,22 +176,46 @@ def _render_ls(body: dict[str, Any], context: Context) -> None:
 
 
 def _gc(args: argparse.Namespace, context: Context) -> Result:
-    from ..catalog import collect_garbage, find_leftovers
+    from ..garbage import collect_garbage, find_leftovers
 
     storage, root = open_root(args.root, context)
     before = {item.path: item for item in find_leftovers(storage, root)}
-    removed = collect_garbage(storage, root, older_than=args.older_than)
+    collected = collect_garbage(storage, root, older_than=args.older_than)
+    removed = list(collected)  # each really gone
+    failed = [
+        {"path": f.path, "kind": before[f.path].kind if f.path in before else "leftover", "error": f.error}
+        for f in collected.failures
+    ]
+    done = set(removed) | {f["path"] for f in failed}
     kept = [
-        {"path": item.path, "kind": item.kind, "reason": _kept_reason(item)}
+        {"path": item.path, "kind": item.kind, "reason": _kept_reason(item, collected.recovered.get(path))}
         for path, item in before.items()
-        if path not in removed
+        if path not in done
     ]
     freed = sum(before[path].nbytes for path in removed if path in before)
-    body = {"root": root, "removed": removed, "bytes_freed": freed, "kept": kept}
-    return body, _render_gc, EXIT_OK
+    body: dict[str, Any] = {"root": root, "removed": removed, "bytes_freed": freed, "kept": kept}
+    if not failed:
+        return body, _render_gc, EXIT_OK
+    first = failed[0]
+    if len(failed) == 1:
+        message = f"could not remove {first['path']}: {first['error']}"
+    else:
+        message = f"could not remove {len(failed)} leftovers under {root} (first {first['path']}: {first['error']})"
+    failure = Failure(
+        EXIT_STORAGE,
+        message,
+        f"fix the cause (a read-only filesystem, permissions) and run 'ckptd gc {root}' again; --json lists every "
+        "failure",
+    )
+    body.update(ok=False, error=failure.to_json(), failed=failed)
+    if context.json:  # the renderer prints it otherwise; with --json too, the error line goes to stderr
+        print(failure.line("gc"), file=sys.stderr, flush=True)
+    return body, _render_gc, failure.code
 
 
-def _kept_reason(item: Any) -> str:
+def _kept_reason(item: Any, recovered_as: str | None = None) -> str:
+    if recovered_as is not None:
+        return f"published as {recovered_as} (a complete save a crash left)"
     if item.active:
         return "save in progress"
     if not item.collectable:
@@ -197,14 +228,20 @@ def _render_gc(body: dict[str, Any], context: Context) -> None:
         context.say(f"removed {path}")
     if body["removed"]:
         context.say(f"freed {human_size(body['bytes_freed'])}")
-    else:
+    elif "error" not in body:
         context.say(f"nothing to remove under {body['root']}")
     for item in body["kept"]:
         context.note(f"kept {item['path']}: {item['reason']}")
+    if "error" in body:
+        for item in body["failed"]:
+            context.note(f"could not remove {item['path']}: {item['error']}")
+        error = body["error"]
+        print(Failure(error["exit_code"], error["message"], error["hint"]).line("gc"), file=sys.stderr, flush=True)
 
 
 def _rm(args: argparse.Namespace, context: Context) -> Result:
     from ..catalog import checkpoint_dir_name, list_checkpoints, remove_checkpoint
+    from ..retention import legacy_referrers
 
     storage, root = open_root(args.root, context)
     checkpoints = list_checkpoints(storage, root)
@@ -215,14 +252,12 @@ def _rm(args: argparse.Namespace, context: Context) -> Result:
             f"no committed checkpoint of step {args.step} under {root} ({checkpoint_dir_name(args.step)}); "
             f"steps: {steps or 'none'}"
         )
-    name = base_name(target.path)
-    users = [
-        base_name(info.path)
-        for info in checkpoints
-        if info.path != target.path and any(f.checkpoint == name for f in info.manifest.files.values())
-    ]
+    users = [base_name(path) for path in legacy_referrers(checkpoints, target.path)]
     if users:
-        raise ReferencedCheckpointError(f"{target.path} holds files that {', '.join(users)} reference")
+        raise ReferencedCheckpointError(
+            f"{target.path} holds files that {', '.join(users)} reference (incremental saves of an older ckptd "
+            "version); 'ckptd consolidate' those first"
+        )
     remove_checkpoint(storage, target.path)
     body = {"root": root, "removed": target.path, "step": target.step}
     return body, lambda b, c: c.say(f"removed {b['removed']}"), EXIT_OK

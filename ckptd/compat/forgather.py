@@ -51,6 +51,7 @@ from ..formats.torch_bin import save_bin_bytes
 from ..load.assign import create_sharing_metadata, load_into_module, retie_parameters
 from ..load.reader import CheckpointReader
 from ..options import parse_size
+from ..retention import legacy_references
 from ..save.flatten import find_tied_groups
 from ..save.layout import WriteItem, bucket_items, describe_tensors, plan_file
 from ..save.tensor_files import write_safetensors_file, write_whole_file
@@ -563,7 +564,8 @@ def maybe_delete_oldest_checkpoint(
     (manifest timestamp, else mtime; ties by step), never ``best_checkpoint`` nor
     ``preserved_checkpoints``, so fewer go when preserved ones are among the oldest.  Without a
     ``checkpoints/`` folder it does nothing.  A ckptd checkpoint is deleted manifest first, and
-    one whose files a kept incremental ckptd checkpoint references is kept (with a warning).
+    one whose files a kept incremental ckptd checkpoint of an older version references is kept
+    (with a warning).
     """
     checkpoints = _candidates(_join(model_dir, "checkpoints"))
     if len(checkpoints) <= max_checkpoints:
@@ -585,13 +587,10 @@ def maybe_delete_oldest_checkpoint(
 
 
 def _referenced_by(paths: set[str]) -> set[str]:
-    """Names of sibling checkpoints whose files the ckptd manifests of ``paths`` reference."""
-    names: set[str] = set()
-    for path in paths:
-        manifest = read_manifest(storage_for(path), normalize_location(path))
-        if manifest is not None:
-            names.update(f.checkpoint for f in manifest.files.values() if f.checkpoint)
-    return names
+    """Names of sibling checkpoints whose files the ckptd manifests of ``paths`` reference
+    (manifests of older ckptd versions' incremental saves only)."""
+    manifests = (read_manifest(storage_for(path), normalize_location(path)) for path in paths)
+    return legacy_references(m for m in manifests if m is not None)
 
 
 def save_checkpoint_metrics(checkpoint_path: str, metrics: dict[str, float]) -> None:

@@ -1,16 +1,32 @@
-"""CRC32C (Castagnoli) checksums, hardware-accelerated through the ``crc32c`` package.
+"""CRC32C (Castagnoli) checksums, hardware-accelerated through the ``crc32c`` package, and the
+SHA-256 digests that ``incremental="hash"`` compares files by.
 
-The C implementation releases the GIL, so the writer checksums one buffer while another thread
+The C implementations release the GIL, so the writer checksums one buffer while another thread
 writes it.  This module imports nothing heavy: the writer process uses it too.
+
+CRC32C detects accidental damage, not deliberate edits: bytes can be changed to keep their
+CRC32C.  Deciding that a file is unchanged (and linking the old one instead of writing the new
+bytes) needs a digest nobody can collide on purpose: SHA-256 (about 1.6 GB/s on one core with
+the SHA extensions; BLAKE2b measured 0.75 GB/s on the benchmark VM).
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import crc32c as _crc32c
 
 Buffer = bytes | bytearray | memoryview
 
-__all__ = ["CHECKSUM_CHUNK", "crc32c", "crc32c_combine", "crc32c_of_view", "format_crc"]
+__all__ = [
+    "CHECKSUM_CHUNK",
+    "DIGEST_PREFIX",
+    "crc32c",
+    "crc32c_combine",
+    "crc32c_of_view",
+    "format_crc",
+    "sha256_of_view",
+]
 
 CHECKSUM_CHUNK = 64 * 1024 * 1024
 
@@ -26,6 +42,17 @@ def crc32c_of_view(view: memoryview, chunk: int = CHECKSUM_CHUNK) -> int:
     for start in range(0, len(view), chunk):
         value = crc32c(view[start : start + chunk], value)
     return value
+
+
+DIGEST_PREFIX = "sha256:"
+
+
+def sha256_of_view(view: memoryview, chunk: int = CHECKSUM_CHUNK) -> str:
+    """``"sha256:<64 hex digits>"`` of a (possibly huge) memoryview, computed in chunks."""
+    hasher = hashlib.sha256()
+    for start in range(0, len(view), chunk):
+        hasher.update(view[start : start + chunk])
+    return DIGEST_PREFIX + hasher.hexdigest()
 
 
 def format_crc(value: int) -> str:

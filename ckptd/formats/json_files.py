@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_JSON_LIMIT",
     "MAX_JSON_DEPTH",
     "json_depth",
+    "json_limit",
     "check_regular_file",
     "parse_json",
     "read_listed_file",
@@ -47,7 +48,9 @@ DEFAULT_JSON_LIMIT = 256 * 1024 * 1024
 """Largest manifest, state or index file read (bytes); ``CKPTD_MAX_JSON_BYTES`` overrides it."""
 
 
-def _limit(limit: int | None) -> int:
+def json_limit(limit: int | None = None) -> int:
+    """The size cap of a small JSON file: ``limit`` when given, else ``CKPTD_MAX_JSON_BYTES``,
+    else :data:`DEFAULT_JSON_LIMIT`."""
     if limit is not None:
         return limit
     text = os.environ.get("CKPTD_MAX_JSON_BYTES")
@@ -105,7 +108,7 @@ def read_small_file(storage: Storage, path: str, *, limit: int | None = None, fo
     """The bytes of a small file, refusing anything that is not a regular file of at most
     ``limit`` bytes (default :data:`DEFAULT_JSON_LIMIT`; and, with ``follow_symlinks=False``,
     a symlink)."""
-    limit = _limit(limit)
+    limit = json_limit(limit)
     if storage.local:
         return _read_local(path, limit, follow_symlinks)
     fetch_ranges = getattr(storage, "fetch_ranges", None)

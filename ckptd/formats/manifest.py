@@ -10,9 +10,11 @@ and its field-by-field checks (types, bounds, names) stay beside the schema they
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-from collections.abc import Mapping
+import operator
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from json.encoder import encode_basestring as _json_string  # type: ignore[attr-defined,unused-ignore]
@@ -20,11 +22,11 @@ from typing import Any
 
 from ..errors import CkptdError, CorruptCheckpointError, UnsupportedValueError
 from ..storage import check_file_name
-from .checksum import crc32c, format_crc
+from .checksum import DIGEST_PREFIX, crc32c, format_crc
 from .json_files import MAX_JSON_DEPTH, json_depth, parse_json
 from .manifest_text import canonical_text, indented_text
 from .names import MANIFEST_NAME, parse_step
-from .safetensors import DTYPE_ITEMSIZE
+from .safetensors import DTYPE_ITEMSIZE, shape_fits
 
 __all__ = [
     "FORMAT_NAME",
@@ -36,11 +38,14 @@ __all__ = [
     "Manifest",
     "TensorRecord",
     "MAX_DIMENSION",
+    "REUSE_KINDS",
     "STATE_FORMAT",
+    "check_tied_groups",
     "hf_index",
     "parse_hf_index",
     "is_foreign_manifest",
     "parse_state_file",
+    "sharing_aliases",
     "state_file_bytes",
     "utc_now",
 ]
@@ -87,17 +92,29 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+REUSE_KINDS = ("link", "copy", "server_copy")
+"""How an incremental save made a file it did not write (:attr:`FileRecord.reused`)."""
+
+
 @dataclass(frozen=True)
 class FileRecord:
     """A file of the checkpoint: byte size and CRC32C (8 hex digits).
 
-    ``checkpoint`` names the sibling checkpoint (``checkpoint-100``, under the same root) that
-    holds the file when an incremental save reused it instead of writing it again.
+    ``digest`` (``"sha256:<hex>"``): the file's SHA-256, recorded by ``incremental="hash"``
+    saves for the next one to compare with.  ``reused``: how an incremental save made the file
+    from the previous checkpoint's instead of writing it (one of :data:`REUSE_KINDS`: a hard
+    link, a local copy, a server-side copy); the file is in this checkpoint all the same.
+
+    ``checkpoint`` is read from manifests of older versions only: it names the sibling
+    checkpoint (``checkpoint-100``, under the same root) that holds the file, which such an
+    incremental save referenced instead of materializing it.  New saves never write it.
     """
 
     size: int
     crc32c: str
     checkpoint: str | None = None
+    digest: str | None = None
+    reused: str | None = None
 
 
 @dataclass(frozen=True)
@@ -380,7 +397,9 @@ class Manifest:
             size = _int(f["size"], f"size of {name!r}")
             if size < 0:
                 raise ValueError(f"size of {name!r} is negative")
-            files[check_file_name(name, where)] = FileRecord(size, _str(f["crc32c"], "crc32c"), _reference(f, where))
+            crc = _str(f["crc32c"], "crc32c")
+            reference, digest, reused = _reference(f, where), _digest(f, name, where), _reused(f, name, where)
+            files[check_file_name(name, where)] = FileRecord(size, crc, reference, digest, reused)
         components: dict[str, ComponentRecord] = {}
         for name, c in _object(body["components"], "components").items():
             c = _object(c, f"component {name!r}")
@@ -397,7 +416,11 @@ class Manifest:
             index = c.get("index")
             if index is not None:
                 index = check_file_name(_str(index, f"index of component {name!r}"), where)
-            components[name] = ComponentRecord(_str(c["kind"], "kind"), tensors, index, tied, sharing)
+            kind = _str(c["kind"], "kind")
+            if not (kind == "torch_bin" and index is not None):  # else its keys are in the index: the reader checks
+                check_tied_groups(tied, tensors, f"{where}: component {name!r}")
+            components[name] = ComponentRecord(kind, tensors, index, tied, sharing)
+        _check_byte_ranges(components, where)
         state_file = body.get("state_file")
         if state_file is not None and (not isinstance(state_file, str) or state_file not in files):
             raise CorruptCheckpointError(f"{where}: state file {state_file!r} is not listed in files")
@@ -421,7 +444,31 @@ def _file_json(record: FileRecord) -> dict[str, Any]:
     body: dict[str, Any] = {"size": record.size, "crc32c": record.crc32c}
     if record.checkpoint is not None:
         body["checkpoint"] = record.checkpoint
+    if record.digest is not None:
+        body["digest"] = record.digest
+    if record.reused is not None:
+        body["reused"] = record.reused
     return body
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _digest(body: dict[str, Any], name: str, where: str) -> str | None:
+    value = body.get("digest")
+    if value is None:
+        return None
+    hex_part = value[len(DIGEST_PREFIX) :] if isinstance(value, str) and value.startswith(DIGEST_PREFIX) else ""
+    if len(hex_part) != 64 or not set(hex_part) <= _HEX:
+        raise CorruptCheckpointError(f"{where}: digest of {name!r} is not {DIGEST_PREFIX}<64 hex digits>")
+    return str(value)
+
+
+def _reused(body: dict[str, Any], name: str, where: str) -> str | None:
+    value = body.get("reused")
+    if value is not None and value not in REUSE_KINDS:
+        raise CorruptCheckpointError(f"{where}: file {name!r} was reused by {value!r}, not one of {REUSE_KINDS}")
+    return value
 
 
 def _reference(body: dict[str, Any], where: str) -> str | None:
@@ -447,7 +494,11 @@ def _check_tensor(record: TensorRecord, where: str, files: Mapping[str, FileReco
                 raise CorruptCheckpointError(f"{where}: file {chunk.file!r} is not listed in the manifest")
             if chunk.start < 0 or chunk.end - chunk.start != itemsize * math.prod(chunk.shape) or chunk.end > file.size:
                 raise CorruptCheckpointError(f"{where}: byte range [{chunk.start}, {chunk.end}) is inconsistent")
+            if chunk.start == chunk.end and not shape_fits(record.shape, itemsize):  # else bounded by the file
+                raise CorruptCheckpointError(f"{where}: shape {list(record.shape)} is beyond any tensor")
             return
+    if not shape_fits(record.shape, itemsize):
+        raise CorruptCheckpointError(f"{where}: shape {list(record.shape)} is beyond any tensor")
     covered = 0
     for chunk in record.chunks:
         if chunk.file not in files:
@@ -462,6 +513,186 @@ def _check_tensor(record: TensorRecord, where: str, files: Mapping[str, FileReco
         covered += math.prod(chunk.shape)
     if covered != math.prod(record.shape):
         raise CorruptCheckpointError(f"{where}: chunks cover {covered} of {math.prod(record.shape)} elements")
+    if len(record.chunks) > 1 and not _tiles(record.shape, record.chunks):
+        # The counts agree, so some element is in two chunks (and another in none): a load would
+        # leave that one unwritten.
+        raise CorruptCheckpointError(
+            f"{where}: chunks overlap (their {covered} elements do not cover each element of the tensor once)"
+        )
+
+
+_TILING_STEPS = 64
+"""Steps per chunk and dimension that :func:`_tiles` takes before :func:`_disjoint` decides."""
+
+_Box = tuple[tuple[int, ...], tuple[int, ...]]  # (lowest corner, highest corner + 1)
+
+
+class _OverBudget(Exception):
+    """:func:`_sums_to_zero` took more steps than it was given."""
+
+
+def _tiles(shape: tuple[int, ...], chunks: Sequence[ChunkRecord]) -> bool:
+    """True if the boxes of ``chunks`` (each inside the tensor) cover ``shape`` exactly once.
+
+    The boxes' indicator functions must sum to the tensor's.  Along the first dimension such a
+    sum is piecewise constant, changing only where a box starts or ends; it is right everywhere
+    iff it is right before the first box and every change is zero, and each change is the signed
+    sum of the cross-sections (in the other dimensions) of the boxes starting and ending there:
+    the same question, one dimension down.  Equal cross-sections of opposite sign cancel first,
+    so the usual layouts (row or column slabs, grids, flat ranges cut into rows) cost O(chunks),
+    and nothing compares chunks pairwise.  Irregular layouts in many dimensions can cost more
+    (a box enters at both of its faces in each dimension); past a budget of
+    :data:`_TILING_STEPS` per chunk and dimension, :func:`_disjoint` decides instead.
+    """
+    boxes: dict[_Box, int] = {}
+    for chunk in chunks:
+        if 0 not in chunk.shape:  # else it holds nothing
+            box = (chunk.offset, tuple(map(operator.add, chunk.offset, chunk.shape)))
+            boxes[box] = boxes.get(box, 0) + 1
+    if 0 in shape:
+        return not boxes
+    whole = (zero_offset(len(shape)), shape)
+    count = boxes.get(whole, 0) - 1
+    if count:
+        boxes[whole] = count
+    else:
+        del boxes[whole]
+    try:
+        return _sums_to_zero(boxes, [_TILING_STEPS * (len(chunks) + 1) * max(len(shape), 1)])
+    except _OverBudget:  # the element counts agree: disjoint boxes cover the tensor
+        return _disjoint([(c.offset, tuple(map(operator.add, c.offset, c.shape))) for c in chunks if 0 not in c.shape])
+
+
+def _sums_to_zero(boxes: dict[_Box, int], budget: list[int]) -> bool:
+    """True if ``sum(count * indicator(box))`` is zero everywhere (``boxes``: non-empty boxes of
+    one rank, with non-zero counts); see :func:`_tiles`."""
+    while boxes:
+        budget[0] -= len(boxes)
+        if budget[0] < 0:
+            raise _OverBudget
+        first_lo, first_hi = next(iter(boxes))
+        if not first_lo:
+            return False  # rank 0: the one point, counted a non-zero number of times
+        start, end = first_lo[0], first_hi[0]
+        if all(lo[0] == start and hi[0] == end for lo, hi in boxes):
+            # Every box spans this dimension alike: it factors out (and keys stay distinct).
+            boxes = {(lo[1:], hi[1:]): count for (lo, hi), count in boxes.items()}
+            continue
+        changes: dict[int, dict[_Box, int]] = {}
+        for (lo, hi), count in boxes.items():
+            section = (lo[1:], hi[1:])
+            for position, signed in ((lo[0], count), (hi[0], -count)):
+                change = changes.get(position)
+                if change is None:
+                    change = changes[position] = {}
+                total = change.get(section, 0) + signed
+                if total:
+                    change[section] = total
+                else:
+                    del change[section]
+        return all(_sums_to_zero(change, budget) for change in changes.values() if change)
+    return True
+
+
+def _disjoint(boxes: list[_Box]) -> bool:
+    """True if no two of the non-empty ``boxes`` share an element: sort and sweep along the
+    dimension where their starts differ most, comparing each box only with those it meets there."""
+    rank = len(boxes[0][0]) if boxes else 0
+    axis = max(range(rank), key=lambda d: len({lo[d] for lo, _ in boxes}), default=0)
+    active: list[_Box] = []
+    for lo, hi in sorted(boxes, key=lambda box: box[0][axis] if rank else 0):
+        active = [(a, b) for a, b in active if not rank or b[axis] > lo[axis]]
+        if any(all(max(a[d], lo[d]) < min(b[d], hi[d]) for d in range(rank)) for a, b in active):
+            return False
+        active.append((lo, hi))
+    return True
+
+
+_LOW_64 = (1 << 64) - 1  # byte offsets are at most MAX_DIMENSION (2**62): an end fits in 64 bits
+
+
+def _check_byte_ranges(components: Mapping[str, ComponentRecord], where: str) -> None:
+    """Refuse two stored pieces (tensors or chunks) whose bytes overlap in a file.
+
+    ckptd's writers lay a file's entries out back to back, each piece once (the safetensors
+    header refuses overlapping entries too), and the local reader requires requests of one file
+    not to overlap; pieces claiming the same bytes are a crafted or damaged manifest.  Empty
+    pieces hold no bytes and may sit anywhere.
+    """
+    spans: dict[str, list[int]] = {}  # per file: start << 64 | end (sorting ints is much faster than tuples)
+    for component in components.values():
+        for t in component.tensors.values():
+            for c in t.chunks:
+                if c.end > c.start:
+                    file_spans = spans.get(c.file)
+                    if file_spans is None:
+                        file_spans = spans[c.file] = []
+                    file_spans.append(c.start << 64 | c.end)
+    for file_name, file_spans in spans.items():
+        file_spans.sort()
+        for previous, span in itertools.pairwise(file_spans):
+            start, end = span >> 64, previous & _LOW_64
+            if start < end:
+                holders = [
+                    f"{name}.{key}"
+                    for name, component in components.items()
+                    for key, t in component.tensors.items()
+                    if any(c.file == file_name and c.start < end and start < c.end for c in t.chunks)
+                ]
+                raise CorruptCheckpointError(
+                    f"{where}: bytes [{start}, {end}) of {file_name!r} are claimed twice "
+                    f"(by {', '.join(holders[:4])}); ckptd stores every piece in bytes of its own"
+                )
+
+
+def check_tied_groups(groups: Sequence[Sequence[str]], stored: Collection[str], where: str) -> None:
+    """Refuse tied groups a load would resolve wrongly (``stored``: the component's stored keys).
+
+    A save stores the first key of each group and leaves the others out; a load gives the others
+    the first one's tensor.  So: the first key must be stored here (keys are per component, so
+    a group naming another component's key is refused by this too), no other member may be
+    stored (its own bytes would be ignored and the first key's tensor returned for it), and no
+    key may be in two groups (or twice in one): which tensor it gets would be a guess.
+    """
+    seen: set[str] = set()
+    for group in groups:
+        if not group:
+            continue  # ties nothing
+        for key in group:
+            if key in seen:
+                raise CorruptCheckpointError(f"{where}: key {key!r} is in more than one tied group")
+            seen.add(key)
+        first = group[0]
+        if first not in stored:
+            raise CorruptCheckpointError(
+                f"{where}: tied group {list(group)} does not store its first key {first!r} (a save stores it)"
+            )
+        both = [key for key in group[1:] if key in stored]
+        if both:
+            raise CorruptCheckpointError(
+                f"{where}: tied key {both[0]!r} is stored as well as {first!r}, the key it is tied to "
+                "(a save stores a tied group's first key only)"
+            )
+
+
+def sharing_aliases(groups: Sequence[Sequence[str]], stored: Collection[str], where: str) -> dict[str, str]:
+    """``{alias: stored key}`` from HF ``param_sharing`` groups: each key of a group that is not
+    stored gets the group's first stored key.
+
+    Groups may store more than one key (explicit metadata naming distinct tensors: each stored
+    key keeps its own bytes).  A key that two groups give different stored tensors is refused.
+    """
+    aliases: dict[str, str] = {}
+    for group in groups:
+        source = next((key for key in group if key in stored), None)
+        if source is None:
+            continue
+        for key in group:
+            if key not in stored and aliases.setdefault(key, source) != source:
+                raise CorruptCheckpointError(
+                    f"{where}: param_sharing ties {key!r} to both {aliases[key]!r} and {source!r}"
+                )
+    return aliases
 
 
 def hf_index(weight_map: Mapping[str, str], total_size: int, extra_metadata: Mapping[str, Any] | None = None) -> bytes:
@@ -497,12 +728,7 @@ def parse_hf_index(index: Any, where: str) -> tuple[dict[str, str], dict[str, st
         if isinstance(e, CkptdError):
             raise
         raise CorruptCheckpointError(f"{where}: malformed index ({type(e).__name__}: {e})") from e
-    aliases: dict[str, str] = {}
-    for group in groups:
-        stored = [k for k in group if k in weight_map]
-        if stored:
-            aliases.update({k: stored[0] for k in group if k not in weight_map})
-    return weight_map, aliases
+    return weight_map, sharing_aliases(groups, weight_map, where)
 
 
 def state_file_bytes(trees: Mapping[str, Any]) -> bytes:

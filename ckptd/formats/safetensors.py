@@ -25,17 +25,22 @@ __all__ = [
     "HEADER_ALIGNMENT",
     "HEADER_PREFETCH",
     "MAX_HEADER_SIZE",
+    "MAX_TENSOR_BYTES",
     "TensorEntry",
     "SafetensorsHeader",
     "build_header",
     "header_bytes",
     "parse_header",
     "read_header",
+    "shape_fits",
 ]
 
 HEADER_ALIGNMENT = 8
 MAX_HEADER_SIZE = 100 * 1024 * 1024  # the limit the reference implementation enforces
 HEADER_PREFETCH = 64 * 1024  # bytes read at once when a header is read: most headers fit
+MAX_TENSOR_BYTES = 2**62
+"""Largest tensor a checkpoint may describe, in bytes, each zero dimension counted as one
+(:func:`shape_fits`)."""
 
 DTYPE_ITEMSIZE: dict[str, int] = {
     "BOOL": 1,
@@ -59,6 +64,24 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 }
 """Bytes per element of every safetensors dtype ckptd reads and writes (the torch dtypes they
 stand for are in :mod:`ckptd.formats.torch_dtypes`)."""
+
+
+def shape_fits(shape: Sequence[int], itemsize: int) -> bool:
+    """True if torch can describe a tensor of ``shape``: its element count, each 0 dimension
+    counted as 1, times ``itemsize`` is at most :data:`MAX_TENSOR_BYTES`.
+
+    torch computes strides as products of trailing dimensions (a 0 counted as 1) and storage
+    sizes as elements x item size, in 64-bit integers: ``torch.empty([0, 2**62, 2**62])`` raises
+    "Stride calculation overflowed" though it holds nothing.  Bounding the product of all the
+    dimensions bounds each of those products.  (A tensor that holds bytes is bounded by its byte
+    range already; this matters for empty ones, and for shapes no file backs.)
+    """
+    total = itemsize
+    for dim in shape:
+        total *= dim or 1
+        if total > MAX_TENSOR_BYTES:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -178,7 +201,10 @@ def _parse_entry(key: str, info: Any, name: str) -> TensorEntry:
     ):
         raise CorruptCheckpointError(f"malformed data_offsets {offsets!r}{where}")
     start, end = offsets
-    expected = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+    itemsize = DTYPE_ITEMSIZE[dtype]
+    expected = math.prod(shape) * itemsize
+    if expected > MAX_TENSOR_BYTES or (expected == 0 and not shape_fits(shape, itemsize)):
+        raise CorruptCheckpointError(f"shape {shape} is beyond any tensor (over {MAX_TENSOR_BYTES} bytes){where}")
     if start < 0 or end - start != expected:
         raise CorruptCheckpointError(f"data_offsets {offsets} do not match {dtype}{shape} ({expected} bytes){where}")
     return TensorEntry(key, dtype, tuple(shape), start, end)

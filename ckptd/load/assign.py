@@ -117,6 +117,7 @@ def _plan_module(
     def apply() -> set[str]:
         loaded = pending.result()
         if assigning:
+            _check_shapes(loaded, tensor_state, reader.directory)
             _alias_own_ties(loaded, own_ties)
             module.load_state_dict(loaded, strict=False, assign=True)
         groups = [[k for k in group if k in state] for group in reader.tied_groups(component)]
@@ -124,6 +125,18 @@ def _plan_module(
         return set(missing)
 
     return pending, apply
+
+
+def _check_shapes(loaded: Mapping[str, Any], state: Mapping[str, torch.Tensor], where: str) -> None:
+    """Refuse (as the in-place path does) a loaded tensor whose shape is not its module tensor's:
+    ``load_state_dict(assign=True)`` would raise torch's ``RuntimeError`` instead."""
+    for key, value in loaded.items():
+        expected = state.get(key)
+        if isinstance(value, torch.Tensor) and expected is not None and value.shape != expected.shape:
+            raise KeyMismatchError(
+                f"size mismatch for {key!r}: checkpoint {where} has shape {tuple(value.shape)}, "
+                f"the module has {tuple(expected.shape)}"
+            )
 
 
 def _alias_own_ties(loaded: dict[str, torch.Tensor], own_ties: Mapping[str, list[str]]) -> None:

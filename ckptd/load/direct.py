@@ -36,7 +36,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import StorageError
-from ..storage import storage_error
+from ..storage import RangeReader, storage_error
+from ..storage.local_read import LocalReader
 
 __all__ = [
     "DEFAULT_DIRECT_READS",
@@ -257,18 +258,31 @@ def _batches(pieces: Sequence[Request], size: int = _CACHED_BATCH) -> list[list[
 
 
 class _File:
-    """The descriptors of one file being read: buffered, and ``O_DIRECT`` when allowed."""
+    """The descriptors of one file being read: buffered, and ``O_DIRECT`` when allowed.
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        try:
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            raise storage_error("open", path, e) from e
+    ``source`` is a path (opened here, by name) or an open :class:`~ckptd.storage.local_read.
+    LocalReader` (a file of a pinned checkpoint directory: read through its descriptor, never
+    opened by name again; its ``O_DIRECT`` descriptor is a reopening of that very file)."""
+
+    def __init__(self, source: str | LocalReader) -> None:
+        self.reader = source if isinstance(source, LocalReader) else None
+        self.path = source if isinstance(source, str) else source.path
+        if self.reader is not None:
+            self.fd = self.reader.fd
+        else:
+            try:
+                self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                raise storage_error("open", self.path, e) from e
         self.direct_fd = -1
 
     def open_direct(self) -> bool:
         if self.direct_fd < 0 and hasattr(os, "O_DIRECT"):
+            if self.reader is not None:
+                self.direct_fd = self.reader.reopen(os.O_DIRECT)
+                if self.direct_fd < 0:
+                    logger.debug("%s: cannot reopen with O_DIRECT; reading through the page cache", self.path)
+                return self.direct_fd >= 0
             try:
                 self.direct_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
             except OSError as e:  # EINVAL: this file system has no O_DIRECT
@@ -276,7 +290,8 @@ class _File:
         return self.direct_fd >= 0
 
     def close(self) -> None:
-        for fd in (self.fd, self.direct_fd):
+        """Close the descriptors opened here (a reader's own descriptor stays its reader's)."""
+        for fd in (self.fd if self.reader is None else -1, self.direct_fd):
             if fd >= 0:
                 os.close(fd)
         self.fd = self.direct_fd = -1
@@ -373,9 +388,16 @@ def direct_reads() -> bool:
 
 
 def read_local(
-    jobs: Sequence[tuple[str, Sequence[Request]]], *, direct: bool | None = None, every_range: bool = False
+    jobs: Sequence[tuple[str | RangeReader, Sequence[Request]]],
+    *,
+    direct: bool | None = None,
+    every_range: bool = False,
 ) -> None:
-    """Fill every ``(offset, buffer)`` request of each ``(path, requests)`` job from its file.
+    """Fill every ``(offset, buffer)`` request of each ``(file, requests)`` job from its file: a
+    path, or an open :class:`~ckptd.storage.local_read.LocalReader` (read through its
+    descriptor, which stays open: a file of a pinned checkpoint directory is never opened by
+    name again, so every byte comes from the version the load opened).  Another range reader
+    (not a local file's) is read through its own ``read_many``.
 
     ``direct`` (default :func:`direct_reads`) reads ranges not in the page cache with
     ``O_DIRECT``; ``every_range=True`` reads every range that way, cached or not (to measure
@@ -388,8 +410,11 @@ def read_local(
     tasks: list[Callable[[], None]] = []
     cached_jobs: list[tuple[_File, list[Request]]] = []
     try:
-        for path, requests in jobs:
-            file = _File(path)
+        for source, requests in jobs:
+            if not isinstance(source, (str, LocalReader)):
+                tasks.append(functools.partial(source.read_many, requests))
+                continue
+            file = _File(source)
             files.append(file)
             pieces = cut_pieces(requests, DIRECT_RUN)
             if not pieces:

@@ -11,7 +11,10 @@ cached), remote files through their reader's batched, coalesced range requests.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Mapping
+import functools
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -19,9 +22,9 @@ from typing import Any
 import torch
 
 from ..dist.sharding import Box, ShardedTensor, describe_dtensor, intersect, is_dtensor, paired_runs
-from ..errors import CorruptCheckpointError, KeyMismatchError, StorageError
+from ..errors import AllocationError, CorruptCheckpointError, KeyMismatchError, StorageError
 from ..formats.manifest import TensorRecord
-from ..formats.safetensors import DTYPE_ITEMSIZE
+from ..formats.safetensors import DTYPE_ITEMSIZE, MAX_TENSOR_BYTES, shape_fits
 from ..formats.torch_dtypes import TORCH_DTYPES, dtype_from_name, dtype_name
 from ..storage import RangeReader
 from .direct import read_local
@@ -32,12 +35,82 @@ DEFAULT_REMOTE_CONCURRENCY = 8
 __all__ = [
     "DEFAULT_REMOTE_CONCURRENCY",
     "Destination",
+    "empty_tensor",
     "fetch_bin",
+    "make_destinations",
     "plan_requests",
     "preview",
     "read_requests",
     "tensor_memoryview",
 ]
+
+
+def empty_tensor(shape: tuple[int, ...], dtype: torch.dtype, what: str | Callable[[], str]) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` on the CPU for a tensor being loaded, failing as ckptd
+    errors naming ``what`` (the tensor and its file; or a function making that text, called only
+    for an error): :class:`CorruptCheckpointError` for a shape
+    torch cannot describe (:func:`~ckptd.formats.safetensors.shape_fits`), :class:`AllocationError`
+    for more bytes than this machine has (RAM and swap: every byte is written by the load, so it
+    could never succeed; checked first, because with overcommit an allocation can succeed and the
+    kernel kill the process once the bytes arrive) or that the allocator refuses."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > MAX_TENSOR_BYTES or (nbytes == 0 and not shape_fits(shape, dtype.itemsize)):
+        raise CorruptCheckpointError(f"{_text(what)}: shape {list(shape)} is beyond any tensor")
+    _check_memory(nbytes, what)
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except (RuntimeError, MemoryError) as e:
+        raise AllocationError(f"{_text(what)}: cannot allocate {nbytes} bytes for shape {list(shape)} ({e})") from e
+
+
+def _text(what: str | Callable[[], str]) -> str:
+    return what if isinstance(what, str) else what()
+
+
+@functools.cache
+def _memory_bytes() -> int | None:
+    """RAM plus swap of this machine (``None`` where unknown: then only the allocator decides)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        return sum(int(fields[name].split()[0]) * 1024 for name in (b"MemTotal", b"SwapTotal"))
+    except (OSError, KeyError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+_memory_bytes()  # read now, at import: a load opens the checkpoint's files and nothing else
+
+
+def _check_memory(nbytes: int, what: str | Callable[[], str]) -> None:
+    limit = _memory_bytes()
+    if limit is not None and nbytes > limit:
+        raise AllocationError(
+            f"{_text(what)}: loading needs {nbytes} bytes of new memory, more than this machine has ({limit} bytes "
+            "of RAM and swap); load fewer keys at once, or into existing tensors"
+        )
+
+
+def make_destinations(
+    keys: Iterable[str], records: Mapping[str, TensorRecord], targets: Mapping[str, Any], where: str
+) -> dict[str, Destination]:
+    """:meth:`Destination.make` for each key, after checking that the fresh tensors (keys
+    without a target) fit this machine together: each one fitting alone is not enough."""
+    keys = list(keys)
+    if _memory_bytes() is not None:
+        sizes = {
+            k: math.prod(records[k].shape) * DTYPE_ITEMSIZE.get(records[k].dtype, 1)
+            for k in keys
+            if targets.get(k) is None
+        }
+        if len(sizes) > 1:  # (one alone is checked as it is allocated)
+            largest = max(sizes, key=sizes.__getitem__)
+            _check_memory(sizes[largest], lambda: _describe(largest, records[largest], where))
+            _check_memory(sum(sizes.values()), f"{where}: {len(sizes)} tensors (the largest {largest!r})")
+    return {key: Destination.make(key, records[key], targets.get(key), where) for key in keys}
 
 
 def tensor_memoryview(tensor: torch.Tensor) -> memoryview:
@@ -71,11 +144,11 @@ class Destination:
             if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
                 return cls(key, Box((0,) * target.dim(), tuple(target.shape)), target, None, target)
         if target is None:
-            buffer = torch.empty(record.shape, dtype=dtype)
+            buffer = empty_tensor(record.shape, dtype, lambda: _describe(key, record, where))
             return cls(key, Box((0,) * len(record.shape), record.shape), buffer, None, buffer)
         local, box, result = _target_region(target, record, key, where)
         direct = local.device.type == "cpu" and local.dtype == dtype and local.is_contiguous()
-        buffer = local if direct else torch.empty(box.shape, dtype=dtype)
+        buffer = local if direct else empty_tensor(box.shape, dtype, lambda: _describe(key, record, where))
         return cls(key, box, buffer, None if direct else local, result)
 
     def finish(self) -> Any:
@@ -83,6 +156,12 @@ class Destination:
             with torch.no_grad():
                 self.target.copy_(self.buffer)
         return self.result
+
+
+def _describe(key: str, record: TensorRecord, where: str) -> str:
+    """``<where>: tensor 'key' (file)`` for messages."""
+    files = sorted(record.files)
+    return f"{where}: tensor {key!r} ({files[0] if len(files) == 1 else f'{len(files)} files'})"
 
 
 def _target_region(target: Any, record: TensorRecord, key: str, where: str) -> tuple[torch.Tensor, Box, Any]:
@@ -148,11 +227,14 @@ def read_requests(
     *,
     local: bool,
     concurrency: int = DEFAULT_REMOTE_CONCURRENCY,
+    opened: Callable[[], None] | None = None,
 ) -> None:
     """Fill ``{file: [(offset, buffer), ...]}`` requests (several components' at once).
 
     Every file is opened with ``open_file`` first, and its size checked against the furthest
-    byte asked for.  Local files are then read by :func:`~ckptd.load.direct.read_local`
+    byte asked for; then ``opened()`` is called, before a byte is read (a reader checks there
+    that the files it opened are of the version it began with: it raises if not, and no byte
+    lands in a target).  Local files are then read by :func:`~ckptd.load.direct.read_local`
     (positional reads from the read pool, ``O_DIRECT`` for what is not in the page cache);
     remote files are read ``concurrency`` at once, each reader coalescing and parallelising its
     own ranges.
@@ -166,10 +248,12 @@ def read_requests(
                 raise CorruptCheckpointError(
                     f"{path_of(file_name)}: file is truncated: {end} bytes needed, the file has {reader.size}"
                 )
+        if opened is not None:
+            opened()
         if local:
-            for reader in readers.values():
-                reader.close()
-            jobs = [(path_of(file_name), wanted) for file_name, wanted in sorted(requests.items())]
+            # Through the descriptors opened above (in the checkpoint directory the load pinned),
+            # never by name again: every byte comes from the version whose sizes were checked.
+            jobs = [(readers[file_name], wanted) for file_name, wanted in sorted(requests.items())]
             try:
                 read_local(jobs)
             except StorageError as e:

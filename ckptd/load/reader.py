@@ -9,9 +9,16 @@ PyTorch ``pytorch_model.bin.index.json`` / ``pytorch_model.bin`` (read with
 ``weights_only=True``).  File names come from indexes and manifests, so every name is checked to
 stay inside the checkpoint directory.  Sizes are checked on every load; CRC32C when asked.
 
-This module is longer than 450 lines on purpose: detecting six formats and the one read path
-they share belong to one class; fetching bytes (:mod:`.fetch`), DCP (:mod:`.dcp`) and assigning
-(:mod:`.assign`) already live apart.
+One version: a load never combines files of two versions of a checkpoint that is overwritten
+while it is read.  A local checkpoint directory is opened once (:class:`~ckptd.storage.local_read.
+PinnedDirectory`) and every file is opened relative to it; on object stores the manifest's
+version stamp is taken before it is read and compared after the reads (before any value is
+returned).  A replacement noticed either way is :class:`~ckptd.errors.CheckpointReplacedError`.
+
+This module is longer than 450 lines on purpose: detecting six formats, the one read path they
+share and the pinning of that path to one version belong to one class; fetching bytes
+(:mod:`.fetch`), DCP (:mod:`.dcp`), assigning (:mod:`.assign`) and the pinned directory
+(:mod:`ckptd.storage.local_read`) already live apart.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,14 +38,23 @@ from ..errors import (
     ConfigError,
     CorruptCheckpointError,
     KeyMismatchError,
+    MissingFileError,
     UnsafeCheckpointError,
 )
 from ..formats.checksum import format_crc
-from ..formats.json_files import check_regular_file, parse_json, read_listed_file, read_small_file
-from ..formats.manifest import Manifest, TensorRecord, is_foreign_manifest, parse_hf_index, parse_state_file
+from ..formats.json_files import parse_json, read_small_file
+from ..formats.manifest import (
+    Manifest,
+    TensorRecord,
+    check_tied_groups,
+    is_foreign_manifest,
+    parse_hf_index,
+    parse_state_file,
+    sharing_aliases,
+)
 from ..formats.names import MANIFEST_NAME, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_BIN_INDEX, TORCH_BIN_SINGLE
 from ..formats.safetensors import SafetensorsHeader, read_header
-from ..formats.torch_bin import load_bin, load_bin_bytes
+from ..formats.torch_bin import load_bin_bytes
 from ..storage import (
     RangeReader,
     Storage,
@@ -48,7 +65,16 @@ from ..storage import (
 )
 from .cache import FileCache
 from .dcp import DcpLayout, fetch_dcp, is_dcp, nest_dcp, read_dcp_layout, read_dcp_objects
-from .fetch import DEFAULT_REMOTE_CONCURRENCY, Destination, fetch_bin, plan_requests, preview, read_requests
+from .fetch import (
+    DEFAULT_REMOTE_CONCURRENCY,
+    Destination,
+    fetch_bin,
+    make_destinations,
+    plan_requests,
+    preview,
+    read_requests,
+)
+from .pinning import OneVersion, holder
 from .verify import file_crcs
 
 __all__ = [
@@ -104,6 +130,13 @@ class CheckpointReader:
 
     ``kind`` is ``"ckptd"``, ``"dcp"``, ``"hf_sharded"``, ``"safetensors"``,
     ``"torch_bin_sharded"`` or ``"torch_bin"``.  ``manifest`` is set for ckptd checkpoints.
+
+    Everything read through one reader comes from one version of the checkpoint.  If it is
+    overwritten or deleted meanwhile, a read raises
+    :class:`~ckptd.errors.CheckpointReplacedError` (having combined nothing of two versions);
+    open a new reader to read the version now committed.  (A local reader holds the checkpoint
+    directory open: :meth:`close` it, or use it as a context manager; an unreferenced reader
+    closes itself.  PyTorch DCP checkpoints are read by torch itself, by path.)
     """
 
     def __init__(
@@ -114,6 +147,8 @@ class CheckpointReader:
         sources: dict[str, _Source],
         manifest: Manifest | None,
         cache: FileCache | None = None,
+        *,
+        version: OneVersion | None = None,
     ) -> None:
         self.directory = directory
         self.storage = storage
@@ -125,6 +160,19 @@ class CheckpointReader:
         self._verified: set[str] = set()
         self._state_trees: dict[str, Any] | None = None
         self._dcp_layout: tuple[DcpLayout, dict[str, Any] | None] | None = None
+        self._version = version if version is not None else OneVersion(storage, directory)
+        weakref.finalize(self, self._version.close)
+
+    def close(self) -> None:
+        """Release the directories held open (local checkpoints); reading after this is a
+        :class:`~ckptd.errors.ConfigError`."""
+        self._version.close()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- opening ---------------------------------------------------------------------------
 
@@ -150,16 +198,35 @@ class CheckpointReader:
         if not require_manifest and _is_single_file(storage, directory):
             parent, _, name = directory.rpartition("/" if not storage.local else os.sep)
             return cls._single_file(storage, parent, name, cache)
-        names = set(storage.list_names(directory))
-        if not names and not storage.exists(directory):
+        version = OneVersion.open(storage, directory)  # locally: the directory, held from here on
+        try:
+            with version.guard():
+                return cls._detect(directory, storage, cache, version, require_manifest, storage_options)
+        except BaseException:
+            version.close()
+            raise
+
+    @classmethod
+    def _detect(
+        cls,
+        directory: str,
+        storage: Storage,
+        cache: FileCache | None,
+        version: OneVersion,
+        require_manifest: bool,
+        storage_options: dict[str, Any] | None,
+    ) -> CheckpointReader:
+        names = set(version.names())
+        if not names and not storage.local and not storage.exists(directory):
             raise CheckpointNotFoundError(f"{directory}: no such checkpoint directory")
         if MANIFEST_NAME in names:
-            data = read_small_file(storage, storage.join(directory, MANIFEST_NAME), follow_symlinks=False)
+            version.take_stamp()
+            data = version.read_small(MANIFEST_NAME, follow_symlinks=False)
             if not is_foreign_manifest(data):
-                return cls._ckptd(directory, storage, cache, data)
+                return cls._ckptd(directory, storage, cache, data, version)
             logger.debug("%s: %s was written by another tool; reading the weights it holds", directory, MANIFEST_NAME)
         if is_dcp(names):  # DCP's .metadata is its commit record, written last
-            return cls._dcp(directory, storage, cache, storage_options)
+            return cls._dcp(directory, storage, cache, storage_options, version)
         if require_manifest:
             foreign = MANIFEST_NAME in names
             what = f"its {MANIFEST_NAME} is another tool's (Forgather?)" if foreign else f"no {MANIFEST_NAME}"
@@ -168,13 +235,13 @@ class CheckpointReader:
                 "format: use ckptd.load_checkpoint for HF and Forgather checkpoints)"
             )
         if SAFETENSORS_INDEX in names:
-            return cls._indexed(directory, storage, SAFETENSORS_INDEX, "safetensors", "hf_sharded", cache)
+            return cls._indexed(directory, storage, SAFETENSORS_INDEX, "safetensors", "hf_sharded", cache, version)
         if SAFETENSORS_SINGLE in names:
-            return cls._single_file(storage, directory, SAFETENSORS_SINGLE, cache)
+            return cls._single_file(storage, directory, SAFETENSORS_SINGLE, cache, version)
         if TORCH_BIN_INDEX in names:
-            return cls._indexed(directory, storage, TORCH_BIN_INDEX, "torch_bin", "torch_bin_sharded", cache)
+            return cls._indexed(directory, storage, TORCH_BIN_INDEX, "torch_bin", "torch_bin_sharded", cache, version)
         if TORCH_BIN_SINGLE in names:
-            return cls._single_file(storage, directory, TORCH_BIN_SINGLE, cache)
+            return cls._single_file(storage, directory, TORCH_BIN_SINGLE, cache, version)
         raise CheckpointNotFoundError(
             f"{directory}: no checkpoint found (looked for {MANIFEST_NAME}, {SAFETENSORS_INDEX}, "
             f"{SAFETENSORS_SINGLE}, {TORCH_BIN_INDEX}, {TORCH_BIN_SINGLE})"
@@ -182,57 +249,80 @@ class CheckpointReader:
 
     @classmethod
     def _ckptd(
-        cls, directory: str, storage: Storage, cache: FileCache | None = None, data: bytes | None = None
+        cls,
+        directory: str,
+        storage: Storage,
+        cache: FileCache | None,
+        data: bytes,
+        version: OneVersion,
     ) -> CheckpointReader:
         where = storage.join(directory, MANIFEST_NAME)
-        if data is None:
-            data = read_small_file(storage, where, follow_symlinks=False)
         manifest = Manifest.from_json(data, where)
-        listings: dict[str, dict[str, int]] = {}
-        for name, record in manifest.files.items():
-            holder = _holder(storage, directory, record.checkpoint)
-            path = _safe_path(storage, holder, name, where)
+        reader = cls(directory, storage, "ckptd", {}, manifest, cache, version=version)
+        with version.guard():
+            reader._check_sizes(where)
+            for name, component in manifest.components.items():
+                aliases = {alias: group[0] for group in component.tied for alias in group[1:]}
+                if component.kind == "torch_bin" and component.index:
+                    index_path = _safe_path(storage, directory, component.index, where)
+                    data = version.read_listed(component.index, manifest.files.get(component.index))
+                    index = parse_hf_index(data, index_path)
+                    check_tied_groups(
+                        component.tied, index[0], f"{where}: component {name!r} (index {component.index})"
+                    )
+                    reader._sources[name] = _Source("torch_bin", index[0], None, aliases)
+                elif component.tensors:
+                    weight_map = {key: record.file for key, record in component.tensors.items()}
+                    reader._sources[name] = _Source("safetensors", weight_map, dict(component.tensors), aliases)
+        return reader
+
+    def _check_sizes(self, where: str) -> None:
+        """Every file the manifest lists exists with the size it records (one listing per
+        directory: the checkpoint's, its spread subdirectories, referenced siblings)."""
+        listings: dict[tuple[str | None, str], dict[str, int]] = {}
+        for name, record in (self.manifest.files if self.manifest is not None else {}).items():
+            path = _safe_path(self.storage, holder(self.storage, self.directory, record.checkpoint), name, where)
             subdirectory, _, base = name.rpartition("/")  # "3f/model-...": the spread key layout
-            listed = storage.join(holder, subdirectory) if subdirectory else holder
-            if listed not in listings:
-                listings[listed] = storage.sizes(listed)
-            actual = listings[listed].get(base)
+            if (record.checkpoint, subdirectory) not in listings:
+                listings[record.checkpoint, subdirectory] = self._version.sizes(record.checkpoint, subdirectory)
+            actual = listings[record.checkpoint, subdirectory].get(base)
             if actual is None:
                 raise CorruptCheckpointError(f"{path}: listed in the manifest but missing")
             if actual != record.size:
                 raise CorruptCheckpointError(
                     f"{path}: file is {actual} bytes but the manifest says {record.size} (truncated or replaced)"
                 )
-        sources: dict[str, _Source] = {}
-        for name, component in manifest.components.items():
-            aliases = {alias: group[0] for group in component.tied for alias in group[1:]}
-            if component.kind == "torch_bin" and component.index:
-                index_path = _safe_path(storage, directory, component.index, where)
-                data = read_listed_file(storage, index_path, manifest.files.get(component.index))
-                index = parse_hf_index(data, index_path)
-                sources[name] = _Source("torch_bin", index[0], None, aliases)
-            elif component.tensors:
-                weight_map = {key: record.file for key, record in component.tensors.items()}
-                sources[name] = _Source("safetensors", weight_map, dict(component.tensors), aliases)
-        return cls(directory, storage, "ckptd", sources, manifest, cache)
 
     @classmethod
     def _dcp(
-        cls, directory: str, storage: Storage, cache: FileCache | None, storage_options: dict[str, Any] | None
+        cls,
+        directory: str,
+        storage: Storage,
+        cache: FileCache | None,
+        storage_options: dict[str, Any] | None,
+        version: OneVersion | None = None,
     ) -> CheckpointReader:
         """A PyTorch DCP checkpoint (Megatron ``torch_dist`` too), read by torch's own reader."""
         layout = read_dcp_layout(directory, local=storage.local, storage_options=storage_options)
         sources = {name: _Source("dcp", dict(fqns), None, {}) for name, fqns in layout.components.items()}
-        reader = cls(directory, storage, "dcp", sources, None, cache)
+        reader = cls(directory, storage, "dcp", sources, None, cache, version=version)
         reader._dcp_layout = (layout, storage_options)
         return reader
 
     @classmethod
     def _indexed(
-        cls, directory: str, storage: Storage, index_name: str, kind: str, label: str, cache: FileCache | None
+        cls,
+        directory: str,
+        storage: Storage,
+        index_name: str,
+        kind: str,
+        label: str,
+        cache: FileCache | None,
+        version: OneVersion,
     ) -> CheckpointReader:
-        weight_map, aliases = _read_index(storage, storage.join(directory, index_name))
-        return cls(directory, storage, label, {"model": _Source(kind, weight_map, None, aliases)}, None, cache)
+        weight_map, aliases = _read_index(version, index_name)
+        sources = {"model": _Source(kind, weight_map, None, aliases)}
+        return cls(directory, storage, label, sources, None, cache, version=version)
 
     @classmethod
     def from_index(
@@ -246,8 +336,10 @@ class CheckpointReader:
         return cls(directory, storage, label, {"model": _Source(kind, weight_map, None, aliases)}, None)
 
     @classmethod
-    def _single_file(cls, storage: Storage, directory: str, name: str, cache: FileCache | None) -> CheckpointReader:
-        reader = cls(directory, storage, "", {}, None, cache)
+    def _single_file(
+        cls, storage: Storage, directory: str, name: str, cache: FileCache | None, version: OneVersion | None = None
+    ) -> CheckpointReader:
+        reader = cls(directory, storage, "", {}, None, cache, version=version)
         if name.endswith((".bin", ".pt")):
             reader.kind = "torch_bin"
             keys = reader._load_bin(name).keys()
@@ -255,7 +347,6 @@ class CheckpointReader:
         else:
             header = reader._header(name)
             reader.kind = "safetensors"
-            aliases = {}
             where = reader._path(name)
             groups = parse_json(
                 (header.metadata.get("param_sharing") or "[]").encode(), where, "param_sharing metadata"
@@ -264,10 +355,16 @@ class CheckpointReader:
                 isinstance(g, list) and g and all(isinstance(k, str) for k in g) for g in groups
             ):
                 raise CorruptCheckpointError(f"{where}: param_sharing metadata is not a list of key lists")
-            for group in groups:
-                aliases.update({k: group[0] for k in group[1:] if k not in header.entries})
+            aliases = sharing_aliases(groups, header.entries, where)
             reader._sources["model"] = _Source("safetensors", dict.fromkeys(header.entries, name), None, aliases)
         return reader
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`~ckptd.errors.CheckpointReplacedError` if this checkpoint was replaced
+        since it was opened, as far as reads could be affected: on object stores, its manifest's
+        version stamp changed or the manifest is gone (one ``HEAD``).  :meth:`run` calls it after
+        its reads; local readers read pinned directories, with nothing to check."""
+        self._version.check_unchanged()
 
     # ---- what is in it ---------------------------------------------------------------------
 
@@ -304,7 +401,8 @@ class CheckpointReader:
         if self._state_trees is None:  # read once: every component's lookup asks for it
             where = _safe_path(self.storage, self.directory, self.manifest.state_file, MANIFEST_NAME)
             record = self.manifest.files.get(self.manifest.state_file)
-            self._state_trees = parse_state_file(read_listed_file(self.storage, where, record), where)
+            with self._version.guard():
+                self._state_trees = parse_state_file(self._version.read_listed(self.manifest.state_file, record), where)
         return self._state_trees
 
     def _source(self, component: str) -> _Source:
@@ -319,17 +417,18 @@ class CheckpointReader:
         """Where a file of this checkpoint is: here, or in the sibling checkpoint that holds it
         (files an incremental save reused)."""
         record = self.manifest.files.get(file_name) if self.manifest is not None else None
-        holder = _holder(self.storage, self.directory, record.checkpoint if record else None)
-        return _safe_path(self.storage, holder, file_name, self.directory)
+        place = holder(self.storage, self.directory, record.checkpoint if record else None)
+        return _safe_path(self.storage, place, file_name, self.directory)
 
     def _open(self, file_name: str) -> RangeReader:
-        """A range reader on a file of this checkpoint (through the local cache if configured)."""
+        """A range reader on a file of this checkpoint (through the local cache if configured;
+        locally, opened in the pinned directory that holds it)."""
         path = self._path(file_name)
+        record = self.manifest.files.get(file_name) if self.manifest is not None else None
         if self.cache is not None:
-            record = self.manifest.files.get(file_name) if self.manifest is not None else None
             return self.cache.open(self.storage, path, file_name, record)
         if self.storage.local:
-            check_regular_file(path)
+            return self._version.reader(file_name, record.checkpoint if record else None)
         return self.storage.open_reader(path)
 
     def _header(self, file_name: str) -> SafetensorsHeader:
@@ -374,8 +473,14 @@ class CheckpointReader:
                 continue
             for file_name in set(source.weight_map.values()):
                 path = self._path(file_name)
-                if not self.storage.exists(path):
-                    raise CorruptCheckpointError(f"{path}: listed in the index but missing")
+                if not self.storage.local:
+                    if not self.storage.exists(path):
+                        raise CorruptCheckpointError(f"{path}: listed in the index but missing")
+                    continue
+                try:
+                    self._version.reader(file_name).close()
+                except MissingFileError as e:
+                    raise CorruptCheckpointError(f"{path}: listed in the index but missing") from e
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -387,13 +492,14 @@ class CheckpointReader:
         names = [n for n in (self.manifest.files if files is None else dict.fromkeys(files)) if n not in self._verified]
         records = [self.manifest.files[name] for name in names]
         pairs = zip(names, records, strict=True)
-        values = file_crcs([(functools.partial(self._open, name), record.size) for name, record in pairs])
-        for name, record, value in zip(names, records, values, strict=True):
-            if format_crc(value) != record.crc32c:
-                raise CorruptCheckpointError(
-                    f"{self._path(name)}: CRC32C mismatch (manifest {record.crc32c}, file {format_crc(value)}): "
-                    "the file is corrupt"
-                )
+        with self._version.guard():
+            values = file_crcs([(functools.partial(self._open, name), record.size) for name, record in pairs])
+            for name, record, value in zip(names, records, values, strict=True):
+                if format_crc(value) != record.crc32c:
+                    raise CorruptCheckpointError(
+                        f"{self._path(name)}: CRC32C mismatch (manifest {record.crc32c}, file {format_crc(value)}): "
+                        "the file is corrupt"
+                    )
         self._verified.update(names)
 
     def record(self, component: str, key: str) -> TensorRecord | None:
@@ -459,17 +565,24 @@ class CheckpointReader:
             destinations = self._read_dcp(source, stored, stored_targets)
         else:
             records = self.locate(component, stored)
-            destinations = {
-                key: Destination.make(key, records[key], stored_targets.get(key), self.directory) for key in stored
-            }
+            destinations = make_destinations(stored, records, stored_targets, self.directory)
         return PendingRead(
             requested, source.aliases, records, destinations, frozenset(stored_targets), torch.device(device), verify
         )
 
     def run(self, plans: Iterable[PendingRead]) -> None:
         """Read the bytes of every plan (of this reader) in one pass: one set of reads over the
-        files, all components' ranges together, on the shared read pool."""
+        files, all components' ranges together, on the shared read pool.
+
+        Raises :class:`~ckptd.errors.CheckpointReplacedError`, before any ``result()`` is
+        handed out, if the checkpoint was replaced while it was read.  Targets read in place (a
+        module's own tensors) may then hold part of the bytes: locally and on S3, only bytes of
+        the version this reader opened (local files are pinned; S3 reads are ``If-Match`` the
+        ETags seen before the manifest was found unchanged once more, after every file was
+        opened); on stores without conditional reads (GCS, ``memory://``), possibly of both."""
         plans = [p for p in plans if p.records and not p.done]
+        if not plans:
+            return
         to_verify = sorted({f for p in plans if p.verify for record in p.records.values() for f in record.files})
         if to_verify:
             self.verify(to_verify)
@@ -479,16 +592,28 @@ class CheckpointReader:
                 requests.setdefault(file_name, []).extend(wanted)
         tuning = getattr(self.storage, "tuning", None)
         concurrency = tuning.part_concurrency if tuning is not None else DEFAULT_REMOTE_CONCURRENCY
-        read_requests(requests, self._open, self._path, local=self.storage.local, concurrency=concurrency)
+        with self._version.guard():
+            read_requests(
+                requests,
+                self._open,
+                self._path,
+                local=self.storage.local,
+                concurrency=concurrency,
+                opened=self._version.check_unchanged,
+            )
+        self._version.check_unchanged()
         for p in plans:
             p.done = True
 
     def _load_bin(self, file_name: str) -> dict[str, torch.Tensor]:
         path = self._path(file_name)
         if self.storage.local:
-            check_regular_file(path)
-            return load_bin(path)
-        return load_bin_bytes(self.storage.read_bytes(path), path)
+            record = self.manifest.files.get(file_name) if self.manifest is not None else None
+            return self._version.load_bin(file_name, path, record.checkpoint if record else None)
+        with self._version.guard():
+            tensors = load_bin_bytes(self.storage.read_bytes(path), path)
+        self._version.check_unchanged()
+        return tensors
 
     def dcp_layout(self) -> DcpLayout:
         """What torch's ``.metadata`` lists (DCP and Megatron ``torch_dist`` checkpoints only)."""
@@ -520,9 +645,16 @@ class CheckpointReader:
         return fetch_dcp(self.directory, layout, fqns, targets, local=self.storage.local, storage_options=options)
 
 
-def _read_index(storage: Storage, where: str) -> tuple[dict[str, str], dict[str, str]]:
-    """An HF index (a symlink is followed: the HF hub cache links snapshots to blobs)."""
-    return parse_hf_index(read_small_file(storage, where), where)
+def _read_index(version: OneVersion, name: str) -> tuple[dict[str, str], dict[str, str]]:
+    """An HF index.  A symlink inside the directory is followed; one leading out (the HF hub
+    cache links snapshots to blobs) is read by path, as before pinning (its shards must still be
+    inside)."""
+    where = version.storage.join(version.directory, name)
+    try:
+        data = version.read_small(name, follow_symlinks=True)
+    except UnsafeCheckpointError:
+        data = read_small_file(version.storage, where)
+    return parse_hf_index(data, where)
 
 
 def _is_single_file(storage: Storage, path: str) -> bool:
@@ -531,26 +663,8 @@ def _is_single_file(storage: Storage, path: str) -> bool:
     return path.endswith((".safetensors", ".bin")) and storage.exists(path)
 
 
-def _holder(storage: Storage, directory: str, checkpoint: str | None) -> str:
-    """The directory holding a file: ``directory``, or its sibling ``checkpoint`` (which must be
-    a real directory inside the same root, not a symlink leading elsewhere)."""
-    if checkpoint is None:
-        return directory
-    parent = os.path.dirname(directory) if storage.local else directory.rstrip("/").rsplit("/", 1)[0]
-    holder = storage.join(parent, checkpoint)
-    if storage.local:
-        real_parent = os.path.realpath(parent)
-        if os.path.islink(holder) or os.path.dirname(os.path.realpath(holder)) != real_parent:
-            raise UnsafeCheckpointError(f"{holder}: a referenced checkpoint must be a directory beside {directory}")
-    return holder
-
-
 def _safe_path(storage: Storage, directory: str, name: str, where: str) -> str:
+    """``directory/name`` once ``name`` is checked to be a plain name inside the checkpoint
+    (locally, symlinks leading out are refused when the file is opened in its pinned directory)."""
     check_file_name(name, where)
-    path = storage.join(directory, name)
-    if storage.local:
-        real_dir = os.path.realpath(directory)
-        real = os.path.realpath(path)
-        if os.path.commonpath([real_dir, real]) != real_dir:
-            raise UnsafeCheckpointError(f"{path} resolves to {real}, outside the checkpoint directory {real_dir}")
-    return path
+    return storage.join(directory, name)

@@ -33,11 +33,12 @@ from ..formats.manifest import (
     utc_now,
 )
 from ..formats.names import CLAIM_NAME, MANIFEST_NAME, STATE_NAME, hf_index_name, leftover_name
-from ..storage import Storage
+from ..storage import Storage, liveness
 from ..storage.local import LocalStorage
 from ..writer.protocol import FileResult
 
 if TYPE_CHECKING:
+    from .incremental import ReusedFile
     from .plan import SavePlan  # plan imports torch; this module must not
 
 __all__ = [
@@ -323,8 +324,9 @@ def publish(storage: Storage, staging_dir: str, final_dir: str, *, overwrite: bo
     removed first.  An overwrite of a checkpoint swaps the two directories in one atomic step
     where the filesystem can (``renameat2(RENAME_EXCHANGE)``), so ``final_dir`` is the old or the
     new checkpoint at every moment; elsewhere the old one is renamed aside to
-    ``.<name>.replaced-*`` first, and :func:`~ckptd.catalog.collect_garbage` completes an
-    overwrite a crash interrupted.
+    ``.<name>.replaced-*`` first (locked by this process until it is removed, so a collection
+    leaves it), and :func:`~ckptd.garbage.collect_garbage` completes an overwrite a crash
+    interrupted.
     """
     if not isinstance(storage, LocalStorage) or staging_dir == final_dir:
         return
@@ -333,7 +335,9 @@ def publish(storage: Storage, staging_dir: str, final_dir: str, *, overwrite: bo
         if os.path.isdir(final_dir) and not os.path.islink(final_dir) and os.listdir(final_dir):
             logger.warning("ckptd: replacing %s: it holds no valid checkpoint", final_dir)
         discard_directory(storage, final_dir)
-    if not os.path.lexists(final_dir):
+    if not overwrite or not os.path.lexists(final_dir):
+        # rename() replaces nothing but an empty directory: a checkpoint another save published
+        # since the checks above makes it fail (CheckpointExistsError), never an exchange.
         storage.publish_directory(staging_dir, final_dir)
         return
     if storage.exchange_directories(staging_dir, final_dir):
@@ -341,47 +345,55 @@ def publish(storage: Storage, staging_dir: str, final_dir: str, *, overwrite: bo
         return
     parent, base = os.path.split(final_dir)
     replaced = os.path.join(parent, leftover_name(base, "replaced"))
-    storage.rename_directory(final_dir, replaced)
-    try:
-        storage.publish_directory(staging_dir, final_dir)
-    except BaseException:
-        if not os.path.lexists(final_dir):
-            storage.rename_directory(replaced, final_dir)  # the old checkpoint stays the committed one
-        raise
-    storage.remove_tree(replaced)
+    with liveness.hold(final_dir):  # locked before it is renamed aside: gc leaves it while we live
+        storage.rename_directory(final_dir, replaced)
+        try:
+            storage.publish_directory(staging_dir, final_dir)
+        except BaseException:
+            if not os.path.lexists(final_dir):
+                storage.rename_directory(replaced, final_dir)  # the old checkpoint stays the committed one
+            raise
+        storage.remove_tree(replaced)
 
 
 def combine_pieces(
     plan: SavePlan,
     results: Sequence[FileResult],
-    reused: Mapping[str, FileRecord] | None = None,
-    hashed: Mapping[str, FileRecord] | None = None,
+    reused: Mapping[str, ReusedFile] | None = None,
+    hashed: Mapping[str, ReusedFile] | None = None,
 ) -> dict[str, FileRecord]:
     """File records from per-piece write results: every file must be covered exactly, in order;
-    the pieces' CRC32Cs combine into the file's.  Files an incremental save did not write
-    (``reused``, or ``hashed`` ones whose checksum matched) keep the earlier checkpoint's record."""
+    the pieces' CRC32Cs combine into the file's.  A file an incremental save made from the last
+    checkpoint's (``reused``, or a ``hashed`` one whose SHA-256 matched: the writer linked or
+    copied it) keeps that checkpoint's size, CRC32C and digest, and records how it was made."""
+    reused, hashed = reused or {}, hashed or {}
     by_file: dict[str, list[FileResult]] = {}
     for result in results:
         by_file.setdefault(result.name, []).append(result)
-    records: dict[str, FileRecord] = dict(reused or {})
+    records: dict[str, FileRecord] = {}
     for file in plan.files:
-        if file.file_name in records:
+        name = file.file_name
+        results_of_file = by_file.get(name, [])
+        made = [r for r in results_of_file if r.reused]
+        if made:
+            source = reused.get(name) or hashed.get(name)
+            if source is None or len(results_of_file) != 1:
+                raise CorruptCheckpointError(f"{name}: the writer made it from an earlier checkpoint, unasked")
+            records[name] = source.record(made[0].how)
             continue
-        written = by_file.get(file.file_name, [])
-        if hashed and file.file_name in hashed and written and all(r.reused for r in written):
-            records[file.file_name] = hashed[file.file_name]
-            continue
-        pieces = sorted(by_file.get(file.file_name, []), key=lambda r: r.file_offset)
+        if name in reused:
+            raise CorruptCheckpointError(f"{name}: taken from {reused[name].source}, but no rank linked or copied it")
+        pieces = sorted(results_of_file, key=lambda r: r.file_offset)
         position = 0
         value = 0
         for piece in pieces:
             if piece.file_offset != position:
-                raise CorruptCheckpointError(
-                    f"{file.file_name}: bytes {position}-{piece.file_offset} were not written by any rank"
-                )
+                gap = f"{position}-{piece.file_offset}"
+                raise CorruptCheckpointError(f"{name}: bytes {gap} were not written by any rank")
             value = crc32c_combine(value, piece.crc32c, piece.size) if position else piece.crc32c
             position += piece.size
         if position != file.size:
-            raise CorruptCheckpointError(f"{file.file_name}: {position} of {file.size} bytes were written")
-        records[file.file_name] = FileRecord(file.size, format_crc(value))
+            raise CorruptCheckpointError(f"{name}: {position} of {file.size} bytes were written")
+        digest = pieces[0].digest if len(pieces) == 1 else None  # a SHA-256 covers one whole-file write
+        records[name] = FileRecord(file.size, format_crc(value), digest=digest)
     return records

@@ -140,6 +140,7 @@ def _describe(flat: FlatComponent, previous: list[LocalTensor] | None = None) ->
                     tuple(tensor.shape),
                     sharded=True,
                     main=placement.main,
+                    frozen=key in flat.frozen,  # FSDP/TP pieces of a frozen base: linked by incremental saves
                 )
             )
     return out

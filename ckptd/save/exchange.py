@@ -37,9 +37,8 @@ from .. import errors as errors_module
 from ..dist.arrival import Arrival
 from ..dist.group import DistContext
 from ..errors import CkptdError, DistributedSaveError
-from ..formats.manifest import FileRecord
 from .describe import Payload, planning_failure
-from .incremental import Reuse
+from .incremental import Reuse, ReusedFile
 from .plan import LocalTensor, RankPlan, SavePlan
 from .plan_unique import Layout, plan_unique
 
@@ -97,8 +96,8 @@ class Assignment:
     plan_id: bytes = b""
     key: str = ""
     staging: str = ""
-    reused: Mapping[str, FileRecord] = field(default_factory=dict)
-    hashed: Mapping[str, FileRecord] = field(default_factory=dict)
+    reused: Mapping[str, ReusedFile] = field(default_factory=dict)
+    hashed: Mapping[str, ReusedFile] = field(default_factory=dict)
     failures: dict[int, tuple[str, str]] | None = None  # ranks that could not describe their state
     planning_error: tuple[str, str] | None = None  # planning failed on the coordinator
 
@@ -207,7 +206,7 @@ class PlanBook:
         return out
 
 
-def _reuse_of(rank_plan: RankPlan, reuse: Reuse) -> tuple[dict[str, FileRecord], dict[str, FileRecord]]:
+def _reuse_of(rank_plan: RankPlan, reuse: Reuse) -> tuple[dict[str, ReusedFile], dict[str, ReusedFile]]:
     if not reuse.reused and not reuse.hashed:
         return {}, {}
     names = {p.file_name for p in rank_plan.pieces}

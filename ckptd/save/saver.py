@@ -28,18 +28,20 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..catalog import ManifestCache, apply_retention
+from ..catalog import ManifestCache
 from ..dist.group import DistContext
 from ..errors import WriterError
-from ..formats.manifest import FileRecord, Manifest
+from ..formats.manifest import Manifest
 from ..options import CheckpointerOptions
 from ..request import SaveRequest, SaveResult
+from ..retention import RunRecord, apply_retention
 from ..stats import new_recorder
 from ..storage import Storage
 from ..storage.cleanup import Cleanup
+from ..storage.liveness import Hold, hold_new_directory
 from ..storage.retry import retries_of
 from ..writer.client import InProcessWriter, WriterClient
-from ..writer.protocol import FileResult, FileSpec, FilesWritten
+from ..writer.protocol import CopySpec, FileResult, FileSpec, FilesWritten, WriteOrder
 from .arena import StageHandle, StagingArena, StagingPool, StepGuard
 from .commit import (
     ComponentInfo,
@@ -70,9 +72,11 @@ class _Progress:
 
     owns_destination: bool = False  # we created the staging dir / won the object-store claim
     released: bool = False  # the arena went back to the pool (exactly once)
+    reuse_released: bool = False  # the checkpoint the save takes files from is no longer in use
     retries: int = 0  # object-store requests retried (the writer's and this process's)
     staged_at: float = 0.0  # when the copy into the arena started
     described: Future[Descriptions] | None = None  # the coordinator's indexes and state file, being written
+    hold: Hold | None = None  # the staging directory's lock (local): gc leaves it while this process lives
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -110,7 +114,7 @@ class SaveJob:
     handle: StageHandle | None
     plan: SavePlan | None  # the whole plan, on the coordinator only
     rank_plan: RankPlan  # what this rank stages and writes
-    reuse: Reuse  # files not written (the previous save's, referenced), or written unless unchanged
+    reuse: Reuse  # files linked or copied from the last checkpoint, or written unless unchanged
     planned: Planned  # the coordinator's: every rank's non-tensor state, for the manifest
     key: str
     staging: str
@@ -156,7 +160,9 @@ class Saver:
         self.steps = steps  # the adaptive throttle's step monitor (throttle=True)
         self.rank = dist.rank if dist else 0
         self.describer = Describer(storage, root, dist)
-        self.incremental = IncrementalPolicy(storage, root, options.incremental)
+        # This run's commits and the checkpoints its saves in flight read from (retention's view).
+        self.run = RunRecord()
+        self.incremental = IncrementalPolicy(storage, root, options.incremental, self.run)
         self.coordinator: Coordinator = coordinator or (StoreCoordinator(dist) if dist else SoloCoordinator())
         self._plan: SavePlan | None = None  # one process: the last plan, reused for the same layout
         self.exchange: Exchange | None = None
@@ -244,7 +250,7 @@ class Saver:
                     self.pool.release(arena)
                     raise
         except BaseException as e:
-            self.incremental.release(reuse)  # this save will not reference anything
+            self.incremental.release(reuse)  # this save will not read from any checkpoint
             failure = self.coordinator.fail_early(key, step, e)
             if failure is e:
                 raise
@@ -356,6 +362,8 @@ class Saver:
         try:
             result = self._complete(job)
         except BaseException as e:
+            if job.reuse.holders:
+                self.incremental.forget_if_gone()  # a source deleted under the save is not tried again
             timings = {**job.request.timings, "total": time.perf_counter() - job.started}
             self.stats.record_failure(
                 job.request.step, job.request.path, e, timings=timings, retries=job.progress.retries
@@ -397,7 +405,9 @@ class Saver:
         finally:
             count_retries()
             self._settle_descriptions(job)
-            self.incremental.release(job.reuse)
+            if job.progress.hold is not None:
+                job.progress.hold.release()  # published or discarded by now
+            self._release_reuse(job)
 
     def _prepare(self, job: SaveJob) -> None:
         if job.overwrite:
@@ -405,7 +415,10 @@ class Saver:
         if not self.storage.local:
             claim_step(self.storage, job.request.path, overwrite=job.overwrite)
         job.progress.owns_destination = True
-        self.storage.makedirs(job.staging)
+        if self.storage.local:  # locked until the save is published or discarded (storage.liveness)
+            job.progress.hold = hold_new_directory(job.staging, self.storage.makedirs)
+        else:
+            self.storage.makedirs(job.staging)
         assert job.plan is not None, "only the coordinator prepares the destination"
         for subdirectory in sorted({f.file_name.rpartition("/")[0] for f in job.plan.files} - {""}):
             self.storage.makedirs(self.storage.join(job.staging, subdirectory))  # key_layout="spread"
@@ -464,46 +477,35 @@ class Saver:
         if handle is not None and not job.pipelined:
             handle.done.wait()  # the copy runs alone; its error is raised below (handle.wait())
         started = time.perf_counter()
-        rank_plan = job.rank_plan
         writing = False
         try:
-            files = [
-                FileSpec(
-                    p.file_name,
-                    p.arena_offset,
-                    p.size,
-                    p.file_offset,
-                    p.whole_file,
-                    _crc_int(job.reuse.hashed.get(p.file_name)) if p.whole_file else None,
-                )
-                for p in rank_plan.pieces
-                if p.file_name not in job.reuse.reused
-            ]
-            if job.arena is None or not files or handle is None or handle.done.is_set():
-                if handle is not None:
-                    handle.wait()  # the bytes must be in the arena (raises what the copy raised)
-                if not files or job.arena is None:
-                    return []
-            fields: dict[str, Any] = {
-                "arena_id": job.arena.arena_id,
-                "directory": job.staging,
-                "files": files,
-                "storage_options": self.options.storage_options,
-                "fsync": self.options.fsync,
-                "chunk_size": self.options.chunk_bytes,
-                "threads": self.options.write_threads,
-                "abandon_directory": job.staging,
-                "tuning": self._tuning,
-            }
+            files, copies = self._file_specs(job)
+            if handle is not None and (not files or handle.done.is_set()):
+                handle.wait()  # the bytes must be in the arena (raises what the copy raised)
+            if not files and not copies:
+                return []
+            resume = False
             if self.steps is not None:
                 # Training goes on: the writer starts at the limit it learned in earlier saves.
-                fields["resume_throttle"] = self.steps.writing_started()
-                writing = True
+                resume, writing = self.steps.writing_started(), True
+            order = WriteOrder(
+                arena_id=job.arena.arena_id if job.arena is not None else 0,
+                directory=job.staging,
+                files=files,
+                copies=copies,
+                storage_options=self.options.storage_options,
+                fsync=self.options.fsync,
+                chunk_size=self.options.chunk_bytes,
+                threads=self.options.write_threads or 1,  # filled in by for_location()
+                abandon_directory=job.staging,
+                tuning=self._tuning,
+                resume_throttle=resume,
+            )
             if handle is None or handle.done.is_set():
-                written = self.writer.write_files(**fields).result()
+                written = self.writer.write_files(order).result()
             else:
                 end = max(f.arena_offset + f.size for f in files)
-                pending = self.writer.write_pipelined(handle.staged_upto, **fields)
+                pending = self.writer.write_pipelined(handle.staged_upto, order)
                 written = handle.feed(pending, end)
         finally:
             if writing and self.steps is not None:
@@ -516,6 +518,40 @@ class Saver:
         if written.throttled:
             timings["throttled"] = written.throttled
         return list(written.results)
+
+    def _file_specs(self, job: SaveJob) -> tuple[list[FileSpec], list[CopySpec]]:
+        """What this rank's writer writes from the arena, and what it makes from the last
+        checkpoint's files (the rank holding a reused file's first bytes makes it)."""
+        hash_mode = self.options.incremental == "hash"
+        files: list[FileSpec] = []
+        copies: list[CopySpec] = []
+        for p in job.rank_plan.pieces:
+            reused = job.reuse.reused.get(p.file_name)
+            if reused is not None:
+                if p.file_offset == 0:
+                    crc = int(reused.crc32c, 16)
+                    copies.append(CopySpec(p.file_name, reused.source, reused.size, crc, reused.digest))
+                continue
+            hashed = job.reuse.hashed.get(p.file_name) if p.whole_file else None
+            files.append(
+                FileSpec(
+                    p.file_name,
+                    p.arena_offset,
+                    p.size,
+                    p.file_offset,
+                    p.whole_file,
+                    digest=hash_mode and p.whole_file,
+                    unchanged_if=hashed.digest if hashed is not None else None,
+                    source=hashed.source if hashed is not None else None,
+                )
+            )
+        return files, copies
+
+    def _release_reuse(self, job: SaveJob) -> None:
+        """The save no longer reads the checkpoint it takes files from (once per save)."""
+        if not job.progress.reuse_released:
+            job.progress.reuse_released = True
+            self.incremental.release(job.reuse)
 
     def _release(self, job: SaveJob) -> None:
         """Give the arena back, once per save (after a background copy into it has finished)."""
@@ -554,31 +590,36 @@ class Saver:
 
     def _finish(self, job: SaveJob, outcome: Outcome) -> SaveResult:
         manifest = outcome.manifest
-        bytes_written, bytes_reused = outcome.bytes_written, 0
+        path = job.request.path
+        bytes_written, bytes_linked, bytes_copied = outcome.bytes_written, 0, 0
+        # First: a save planned from now on takes its files from this checkpoint, and retention
+        # counts it as this run's newest.
+        self.incremental.committed(path, manifest)
+        self.run.committed(path)
+        self._release_reuse(job)  # its files are linked or copied: retention may delete their source
         if manifest is not None:
             if self.options.keep_last is not None:
-                # Keep what saves still queued will reference once they commit.
-                protect = {job.request.path, *self.incremental.protected()}
-                apply_retention(self.storage, self.root, self.options.keep_last, protect=protect, cache=self.listed)
+                removed = apply_retention(self.storage, self.root, self.options.keep_last, self.run, self.listed)
+                if removed:
+                    logger.info("ckptd: keep_last=%d removed %s", self.options.keep_last, ", ".join(removed))
             job.request.timings.update(manifest.timings)
-            bytes_written = sum(f.size for f in manifest.files.values() if f.checkpoint is None)
-            bytes_reused = sum(f.size for f in manifest.files.values() if f.checkpoint is not None)
-        self.incremental.committed(job.request.path, manifest)
+            files = manifest.files.values()
+            bytes_written = sum(f.size for f in files if f.reused is None)
+            bytes_linked = sum(f.size for f in files if f.reused == "link")
+            bytes_copied = sum(f.size for f in files if f.reused in ("copy", "server_copy"))
         job.request.timings["total"] = time.perf_counter() - job.started
         return SaveResult(
             job.request.step,
-            job.request.path,
+            path,
             bytes_written,
             dict(job.request.timings),
-            bytes_reused,
+            bytes_linked + bytes_copied,
             job.progress.retries,
+            bytes_linked=bytes_linked,
+            bytes_copied=bytes_copied,
         )
 
 
 def _mark_staged(handle: StageHandle, request: SaveRequest) -> None:
     handle.done.wait()
     request.staged.set()
-
-
-def _crc_int(record: FileRecord | None) -> int | None:
-    return int(record.crc32c, 16) if record is not None else None

@@ -14,8 +14,10 @@ from typing import Protocol, runtime_checkable
 from ..errors import MissingFileError, StorageError, UnsafeCheckpointError
 
 __all__ = [
+    "DEFAULT_CONNECT_TIMEOUT",
     "DEFAULT_PART_CONCURRENCY",
     "DEFAULT_PART_SIZE",
+    "DEFAULT_READ_TIMEOUT",
     "DEFAULT_RETRY_ATTEMPTS",
     "MAX_PARTS",
     "MIN_PART_SIZE",
@@ -41,6 +43,10 @@ __all__ = [
 DEFAULT_PART_SIZE = 16 * 1024 * 1024
 DEFAULT_PART_CONCURRENCY = 8  # parts in flight across all files of one save
 DEFAULT_RETRY_ATTEMPTS = 6
+# Seconds.  A frozen endpoint fails a request within retry_attempts x (connect + read) = 120 s,
+# plus at most 6.2 s of backoff (see StorageTuning).
+DEFAULT_CONNECT_TIMEOUT = 5.0
+DEFAULT_READ_TIMEOUT = 15.0
 MIN_PART_SIZE = 5 * 1024 * 1024
 MAX_PARTS = 10_000
 
@@ -53,6 +59,11 @@ class StorageTuning:
     size uses larger parts); ``part_concurrency`` bounds the parts in flight across all files of a
     save; ``retry_attempts`` counts every try of one request (parts are retried one by one),
     delays growing from ``retry_base_delay`` doubling up to ``retry_max_delay``, with full jitter.
+    Every try is bounded: ``connect_timeout`` seconds to open a connection, ``read_timeout``
+    seconds without a byte from the peer while waiting for an answer, and (Linux,
+    ``TCP_USER_TIMEOUT``) without the peer taking a byte while a request body is sent; a slow
+    transfer that keeps moving is never cut.  So a frozen endpoint fails a request within
+    ``retry_attempts * (connect_timeout + read_timeout)`` plus the backoff.
 
     Local files: ``direct_io`` writes with ``O_DIRECT`` (bypassing the page cache, where the
     filesystem supports it); ``drop_cache`` tells the kernel to drop a file's cached pages once
@@ -64,6 +75,8 @@ class StorageTuning:
     retry_attempts: int = DEFAULT_RETRY_ATTEMPTS
     retry_base_delay: float = 0.2
     retry_max_delay: float = 5.0
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    read_timeout: float = DEFAULT_READ_TIMEOUT
     direct_io: bool = True
     drop_cache: bool = True
 
@@ -194,6 +207,17 @@ class ObjectWriter(Protocol):
     5. ``write_stream(path, pieces)``: tools and the functional API, for a file produced piece by
        piece (consolidation, HF shards); the file appears whole or not at all.  Returns the bytes
        written.
+    6. ``copy_file(source, target, fsync=...)``: the writer process of an incremental save, for a file the
+       save reuses from the last committed checkpoint: ``target`` (a new name in the checkpoint
+       being written) gets exactly the bytes of ``source`` without them passing through this
+       process where the store can: a hard link on local disk (a copy where links fail, e.g.
+       across devices), a server-side copy on object stores.  Returns how: ``"link"``,
+       ``"copy"`` or ``"server_copy"``.  A missing ``source`` raises
+       :class:`~ckptd.errors.MissingFileError`.
+
+    Writes never modify an existing file's bytes in place except ``write_at`` into a file of the
+    save being written: a checkpoint's files may be hard links shared with other checkpoints, so
+    rewriting a name replaces it with a new file instead of truncating the one it names.
 
     Failures are :class:`~ckptd.errors.StorageError` naming the path.
     """
@@ -229,6 +253,8 @@ class ObjectWriter(Protocol):
 
     def write_stream(self, path: str, pieces: Iterable[memoryview]) -> int: ...
 
+    def copy_file(self, source: str, target: str, *, fsync: bool = True) -> str: ...
+
 
 @runtime_checkable
 class RangeReading(Protocol):
@@ -244,8 +270,16 @@ class RangeReading(Protocol):
        ranges of the tensors wanted, then ``close()``.
     ``size(path)`` answers for one file.
 
+    Object stores have no directory to hold open, so a load pins its version with
+    ``version(manifest)``: once before step 1 and again after the reads of step 3 (before any
+    value is handed back); a different answer, or a missing manifest, means the checkpoint was
+    replaced meanwhile (:class:`~ckptd.errors.CheckpointReplacedError`).  ``version`` is a stamp
+    of the object's current version (ETag, generation, version id, modification time: whatever
+    the store gives; ``None`` where it gives nothing); it is asked of the store, never of a cache.
+    Local loads open the directory once instead (:class:`~ckptd.storage.local_read.PinnedDirectory`).
+
     A missing file raises :class:`~ckptd.errors.MissingFileError` (a ``FileNotFoundError``)
-    from ``read_bytes``, ``size`` and ``open_reader`` alike; other failures are
+    from ``read_bytes``, ``size``, ``version`` and ``open_reader`` alike; other failures are
     :class:`~ckptd.errors.StorageError`.  ``sizes`` of a missing directory is empty.
     """
 
@@ -256,6 +290,8 @@ class RangeReading(Protocol):
     def size(self, path: str) -> int: ...
 
     def sizes(self, path: str) -> dict[str, int]: ...
+
+    def version(self, path: str) -> str | None: ...
 
 
 @runtime_checkable

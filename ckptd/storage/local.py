@@ -2,125 +2,70 @@
 
 from __future__ import annotations
 
-import ctypes
 import errno as errno_codes
 import fcntl
 import logging
 import os
-import platform
 import secrets
 import shutil
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 from ..errors import CheckpointExistsError, StorageError
-from .base import Stopped, StorageTuning, storage_error
+from .base import Stopped, StorageTuning, missing_file, storage_error
+from .liveness import lock_new_file
+from .local_read import LocalReader
+from .rename import exchange_paths
 
 __all__ = ["LocalStorage", "exchange_paths"]
 
 logger = logging.getLogger(__name__)
 
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-_RENAMEAT2_SYSCALL = {"x86_64": 316, "amd64": 316, "aarch64": 276, "arm64": 276}
-# Errors meaning "this kernel or filesystem cannot exchange": fall back to two renames.
-_NO_EXCHANGE = {errno_codes.ENOSYS, errno_codes.EINVAL, errno_codes.ENOTSUP, errno_codes.EOPNOTSUPP}
-_renameat2: Callable[[bytes, bytes], int] | None = None
-_renameat2_loaded = False
 
-
-def _load_renameat2() -> Callable[[bytes, bytes], int] | None:
-    """``renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE)`` through libc, or the raw system
-    call where libc lacks the wrapper (glibc < 2.28); ``None`` where neither exists."""
-    global _renameat2, _renameat2_loaded
-    if _renameat2_loaded:
-        return _renameat2
-    _renameat2_loaded = True
+def _create_new(path: str, flags: int) -> int:
+    """Open ``path`` as a new, empty file (``O_EXCL``).  An existing file of that name is unlinked
+    first, never truncated: it may be a hard link another checkpoint shares (incremental saves),
+    whose bytes must not change."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-    function = getattr(libc, "renameat2", None)
-    if function is not None:
-        function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-        function.restype = ctypes.c_int
-        _renameat2 = lambda a, b: function(_AT_FDCWD, a, _AT_FDCWD, b, _RENAME_EXCHANGE)  # noqa: E731
-        return _renameat2
-    number = _RENAMEAT2_SYSCALL.get(platform.machine().lower())
-    syscall = getattr(libc, "syscall", None)
-    if number is None or syscall is None:
-        return None
-    syscall.restype = ctypes.c_long
-
-    def raw(a: bytes, b: bytes) -> int:
-        return int(
-            syscall(
-                ctypes.c_long(number),
-                ctypes.c_int(_AT_FDCWD),
-                ctypes.c_char_p(a),
-                ctypes.c_int(_AT_FDCWD),
-                ctypes.c_char_p(b),
-                ctypes.c_uint(_RENAME_EXCHANGE),
-            )
-        )
-
-    _renameat2 = raw
-    return _renameat2
+        return os.open(path, flags | os.O_EXCL, 0o644)
+    except FileExistsError:
+        os.unlink(path)
+        return os.open(path, flags | os.O_EXCL, 0o644)
 
 
-def exchange_paths(a: str, b: str) -> bool:
-    """Swap two existing paths atomically (``renameat2`` with ``RENAME_EXCHANGE``).
-
-    Returns False, having changed nothing, where the platform, kernel or filesystem cannot do it;
-    raises :class:`StorageError` for any other failure.
-    """
-    function = _load_renameat2()
-    if function is None:
-        return False
-    if function(os.fsencode(a), os.fsencode(b)) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in _NO_EXCHANGE:
-        logger.debug("ckptd: cannot exchange %s and %s atomically (%s); using two renames", a, b, os.strerror(code))
-        return False
-    raise storage_error("exchange with", b, OSError(code, os.strerror(code)), code)
+# link() errors meaning "no hard link here" (another device, a filesystem or a policy that refuses
+# them, too many links): the file is copied instead.
+_NO_LINK = {
+    errno_codes.EXDEV,
+    errno_codes.EPERM,
+    errno_codes.EMLINK,
+    errno_codes.ENOTSUP,
+    errno_codes.EOPNOTSUPP,
+    errno_codes.EACCES,
+    errno_codes.ENOSYS,
+}
 
 
-class _Reader:
-    def __init__(self, path: str) -> None:
-        self.path = path
-        try:
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            self.size = os.fstat(self.fd).st_size
-        except OSError as e:
-            raise storage_error("open", path, e) from e
-
-    def read_into(self, offset: int, buffer: memoryview) -> None:
-        buffer = buffer.cast("B") if buffer.format != "B" else buffer
-        try:
-            while buffer:
-                got = os.preadv(self.fd, [buffer], offset)
-                if got == 0:
-                    raise StorageError(errno_codes.EIO, f"unexpected end of file in {self.path} at byte {offset}")
-                buffer = buffer[got:]
-                offset += got
-        except StorageError:
-            raise
-        except OSError as e:
-            raise storage_error("read", self.path, e) from e
-
-    def read_many(self, requests: Sequence[tuple[int, memoryview]]) -> None:
-        for offset, buffer in requests:
-            self.read_into(offset, buffer)
-
-    def read(self, offset: int, length: int) -> bytes:
-        out = bytearray(length)
-        self.read_into(offset, memoryview(out))
-        return bytes(out)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+def _copy_range(source_fd: int, target_fd: int, size: int, source: str) -> None:
+    """Copy ``size`` bytes between two open files in the kernel (``copy_file_range``, which can
+    share extents on filesystems that support it), falling back to ``sendfile``."""
+    copied = 0
+    use_range = hasattr(os, "copy_file_range")
+    while copied < size:
+        count = min(size - copied, 1 << 30)
+        if use_range:
+            try:
+                done = os.copy_file_range(source_fd, target_fd, count, copied, copied)
+            except OSError as e:
+                if e.errno not in (errno_codes.EXDEV, errno_codes.ENOSYS, errno_codes.EINVAL, errno_codes.EOPNOTSUPP):
+                    raise
+                use_range = False
+                continue
+        else:
+            os.lseek(target_fd, copied, os.SEEK_SET)
+            done = os.sendfile(target_fd, source_fd, copied, count)
+        if done == 0:
+            raise StorageError(errno_codes.EIO, f"{source} ended at byte {copied}, expected {size} bytes")
+        copied += done
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -246,15 +191,18 @@ class LocalStorage:
         should_stop: Callable[[], bool],
         on_progress: Callable[[int], None],
     ) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if whole else 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
         direct = self.tuning.direct_io and whole and hasattr(os, "O_DIRECT") and chunk_size % _DIRECT_ALIGNMENT == 0
         try:
-            fd = os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
+            if whole:
+                fd = _create_new(path, flags | (os.O_DIRECT if direct else 0))
+            else:
+                fd = os.open(path, flags, 0o644)
         except OSError as e:
             if not direct or e.errno != errno_codes.EINVAL:
                 raise storage_error("create", path, e) from e
             direct = False  # this filesystem has no O_DIRECT
-            fd = os.open(path, flags, 0o644)
+            fd = _create_new(path, flags)
         try:
             for start in range(0, len(view), chunk_size):
                 if should_stop():
@@ -298,13 +246,61 @@ class LocalStorage:
         finally:
             os.close(fd)
 
-    def open_reader(self, path: str) -> _Reader:
-        return _Reader(path)
+    def copy_file(self, source: str, target: str, *, fsync: bool = True) -> str:
+        """Make the new file ``target`` hold the bytes of ``source``: a hard link (the same inode:
+        no byte is read or written), or where the filesystem refuses links (another device,
+        ``protected_hardlinks``, FUSE, too many links) a copy in the kernel, fsynced.  A
+        ``source`` that is a symlink is linked as the symlink (never followed) and refused by the
+        copy.  Returns ``"link"`` or ``"copy"``."""
+        try:
+            os.link(source, target, follow_symlinks=False)
+            return "link"
+        except FileNotFoundError as e:
+            if not os.path.lexists(source):
+                raise missing_file("link", source) from e
+            raise storage_error("link to", target, e) from e
+        except OSError as e:
+            if e.errno not in _NO_LINK:
+                raise storage_error("link to", target, e) from e
+            logger.debug("ckptd: cannot hard-link %s (%s); copying it", source, os.strerror(e.errno or 0))
+        self._copy(source, target, fsync)
+        return "copy"
+
+    def _copy(self, source: str, target: str, fsync: bool) -> None:
+        try:
+            source_fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError as e:
+            raise missing_file("copy", source) from e
+        except OSError as e:
+            raise storage_error("open", source, e) from e
+        try:
+            try:
+                target_fd = _create_new(target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC)
+            except OSError as e:
+                raise storage_error("create", target, e) from e
+            try:
+                _copy_range(source_fd, target_fd, os.fstat(source_fd).st_size, source)
+                if fsync:
+                    os.fsync(target_fd)
+                    if self.tuning.drop_cache and hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(target_fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError as e:
+                os.close(target_fd)
+                self.remove(target)
+                if isinstance(e, StorageError):
+                    raise
+                raise storage_error("copy to", target, e) from e
+            os.close(target_fd)
+        finally:
+            os.close(source_fd)
+
+    def open_reader(self, path: str) -> LocalReader:
+        return LocalReader(path)
 
     def write_bytes(self, path: str, data: bytes, *, fsync: bool = True, create_only: bool = False) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_EXCL if create_only else os.O_TRUNC)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
         try:
-            fd = os.open(path, flags, 0o644)
+            fd = os.open(path, flags | os.O_EXCL, 0o644) if create_only else _create_new(path, flags)
         except FileExistsError as e:
             raise CheckpointExistsError(f"{path} already exists") from e
         except OSError as e:
@@ -326,13 +322,14 @@ class LocalStorage:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
+                lock_new_file(fd)  # gc leaves a temporary file its writer holds (storage.liveness)
                 for piece in pieces:
                     _write_all(fd, piece)
                     total += len(piece)
                 os.fsync(fd)
+                os.replace(tmp, path)  # before the close, which lets the lock go
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
             self.fsync_directory(os.path.dirname(path) or ".")
         except OSError as e:
             self.remove(tmp)
@@ -356,6 +353,15 @@ class LocalStorage:
             return os.stat(path).st_size
         except OSError as e:
             raise storage_error("stat", path, e) from e
+
+    def version(self, path: str) -> str | None:
+        """Device, inode, modification time and size of the file now at ``path`` (loads pin a
+        local checkpoint by opening its directory instead: :class:`.local_read.PinnedDirectory`)."""
+        try:
+            info = os.stat(path)
+        except OSError as e:
+            raise storage_error("stat", path, e) from e
+        return f"{info.st_dev}:{info.st_ino}:{info.st_mtime_ns}:{info.st_size}"
 
     def remove(self, path: str) -> None:
         try:

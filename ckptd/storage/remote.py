@@ -1,5 +1,12 @@
 """Storage on any fsspec filesystem (``memory://``, ``gs://``, ``s3://``...): no renames; the
-manifest, written last, is the commit point.  :mod:`ckptd.storage.s3` specialises it for S3."""
+manifest, written last, is the commit point.  :mod:`ckptd.storage.s3` specialises it for S3.
+
+Timeouts (``StorageTuning.connect_timeout`` / ``read_timeout``) reach the filesystems that take
+one: gcsfs as its ``requests_timeout`` (an aiohttp ``ClientTimeout`` with ``sock_connect`` and
+``sock_read``: a slow transfer that keeps moving is never cut), fsspec's HTTP filesystem as its
+session's timeout.  A value the caller put in ``storage_options`` wins.  Other filesystems have no
+common timeout option; they keep their own defaults.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +16,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import CheckpointExistsError, ConfigError, StorageError
-from .base import Stopped, StorageTuning, storage_error
+from .base import Stopped, StorageTuning, missing_file, storage_error
 
-__all__ = ["FsspecStorage", "coalesce"]
+__all__ = ["FsspecStorage", "coalesce", "version_stamp"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +51,16 @@ def coalesce(
     return groups
 
 
+_VERSION_FIELDS = ("generation", "VersionId", "ETag", "etag", "LastModified", "updated", "mtime", "created")
+
+
+def version_stamp(info: dict[str, Any]) -> str | None:
+    """What identifies one version of an object among an fsspec ``info()`` or an S3 ``HeadObject``
+    answer's fields (``None`` if it has none of them)."""
+    found = [f"{name}={info[name]}" for name in _VERSION_FIELDS if info.get(name) not in (None, "")]
+    return " ".join(found) or None
+
+
 def scatter(groups: list[tuple[int, int, list[tuple[int, memoryview]]]], blobs: Sequence[bytes], path: str) -> None:
     """Copy each fetched blob into the buffers of its group."""
     for (start, end, members), blob in zip(groups, blobs, strict=True):
@@ -70,10 +87,14 @@ def _abandon(file: Any) -> None:
 
 
 class _Reader:
+    """An object opened for ranged reads: its size and (where the store can condition reads)
+    its version are those of the moment it was opened; every read asks for that version, so a
+    reader never returns bytes of two versions of one object."""
+
     def __init__(self, storage: FsspecStorage, path: str) -> None:
         self.storage = storage
         self.path = path
-        self.size = storage.size(path)
+        self.size, self.version = storage._stat(path)
 
     def read_into(self, offset: int, buffer: memoryview) -> None:
         self.read_many([(offset, buffer)])
@@ -86,7 +107,8 @@ class _Reader:
                 raise StorageError(errno_codes.EIO, f"unexpected end of file in {self.path} at byte {self.size}")
         groups = coalesce(requests)
         if groups:
-            scatter(groups, self.storage.fetch_ranges(self.path, [(s, e) for s, e, _ in groups]), self.path)
+            ranges = [(s, e) for s, e, _ in groups]
+            scatter(groups, self.storage.fetch_ranges(self.path, ranges, if_match=self.version), self.path)
 
     def read(self, offset: int, length: int) -> bytes:
         out = bytearray(length)
@@ -115,6 +137,7 @@ class FsspecStorage:
     def _make_filesystem(self, options: dict[str, Any]) -> Any:
         import fsspec
 
+        self._bound_requests(options)
         try:
             return fsspec.filesystem(self.protocol, **options)
         except ImportError as e:
@@ -123,6 +146,25 @@ class FsspecStorage:
             raise ConfigError(f"storage {self.protocol}:// needs a package that is not installed{hint}") from e
         except ValueError as e:
             raise ConfigError(f"unsupported storage URL protocol {self.protocol!r}: {e}") from e
+
+    def _bound_requests(self, options: dict[str, Any]) -> None:
+        """Put the tuning's connect and read timeouts into ``options`` where the filesystem takes
+        them and the caller set none.  gcsfs passes ``requests_timeout`` to every request
+        (``None``, its default, means no timeout at all, whatever the session says); its own
+        retries (6 tries, sleeping up to 32 s) stay its own."""
+        if self.protocol not in ("gs", "gcs", "http", "https"):
+            return
+        try:
+            import aiohttp
+        except ImportError:
+            return
+        timeout = aiohttp.ClientTimeout(sock_connect=self.tuning.connect_timeout, sock_read=self.tuning.read_timeout)
+        if self.protocol in ("gs", "gcs"):
+            options.setdefault("requests_timeout", timeout)
+        else:
+            client = dict(options.get("client_kwargs") or {})
+            client.setdefault("timeout", timeout)
+            options["client_kwargs"] = client
 
     def _strip(self, path: str) -> str:
         return str(self.fs._strip_protocol(path))
@@ -243,6 +285,28 @@ class FsspecStorage:
             raise
         return total
 
+    def copy_file(self, source: str, target: str, *, fsync: bool = True) -> str:
+        """The filesystem's own copy (gcsfs: the GCS rewrite API, on the server; ``memory://``:
+        in memory).  Returns ``"server_copy"``; a missing ``source`` raises
+        :class:`~ckptd.errors.MissingFileError`; a filesystem without a copy of its own is a
+        :class:`~ckptd.errors.StorageError` (``EOPNOTSUPP``): its bytes are not streamed through
+        this process instead."""
+        try:
+            self.fs.cp_file(self._strip(source), self._strip(target))
+        except NotImplementedError as e:
+            error = StorageError(
+                errno_codes.EOPNOTSUPP, f"cannot copy {source} to {target}: {self.protocol}:// has no server-side copy"
+            )
+            error.filename = source
+            raise error from e
+        except FileNotFoundError as e:
+            if not self.exists(source):
+                raise missing_file("copy", source) from e
+            raise storage_error(f"copy {source} to", target, e) from e
+        except OSError as e:
+            raise storage_error(f"copy {source} to", target, e) from e
+        return "server_copy"
+
     def _forget(self, target: str) -> None:
         try:
             self.fs.rm_file(target)
@@ -252,8 +316,14 @@ class FsspecStorage:
     def open_reader(self, path: str) -> _Reader:
         return _Reader(self, path)
 
-    def fetch_ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        """The bytes of each ``[start, end)`` range of one file (concurrent where fsspec can)."""
+    def _stat(self, path: str) -> tuple[int, str | None]:
+        """Size of the file now at ``path``, and the version its reads must still find (``None``:
+        fsspec has no conditional reads; :class:`~ckptd.storage.s3.S3Storage` has)."""
+        return self.size(path), None
+
+    def fetch_ranges(self, path: str, ranges: Sequence[tuple[int, int]], *, if_match: str | None = None) -> list[bytes]:
+        """The bytes of each ``[start, end)`` range of one file (concurrent where fsspec can);
+        ``if_match`` (a version from ``_stat``) is ignored: fsspec cannot condition a read."""
         target = self._strip(path)
         try:
             out = self.fs.cat_ranges([target] * len(ranges), [s for s, _ in ranges], [e for _, e in ranges])
@@ -299,6 +369,18 @@ class FsspecStorage:
             return int(self.fs.size(self._strip(path)))
         except OSError as e:
             raise storage_error("stat", path, e) from e
+
+    def version(self, path: str) -> str | None:
+        """A stamp of the object now at ``path``, from the store (fsspec's listing cache is
+        dropped first): generation (GCS), version id, ETag, modification or creation time,
+        whichever the filesystem reports; ``None`` if it reports none of them."""
+        target = self._strip(path)
+        try:
+            self.fs.invalidate_cache(target)
+            info = self.fs.info(target)
+        except OSError as e:
+            raise storage_error("stat", path, e) from e
+        return version_stamp(info)
 
     def remove(self, path: str) -> None:
         try:

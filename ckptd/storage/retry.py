@@ -4,6 +4,10 @@ Transient: HTTP 408/429/500/502/503/504, ``SlowDown``/``RequestTimeout``/``Inter
 codes, resets, refused or dropped connections and timeouts.  Everything else (403, 404, bad
 request, bad credentials) is permanent and fails at once.
 
+Every try is bounded in time by the backend (``StorageTuning.connect_timeout`` and
+``read_timeout``; see :mod:`ckptd.storage.s3`), and a timeout is transient, so a request to an
+endpoint that never answers fails after at most :func:`failure_bound` seconds.
+
 Each storage object that retries owns a :class:`RetryCounter` (``storage.retry_counter``) that
 counts the retries it made; :func:`retries_of` reads it (0 for backends that never retry).
 """
@@ -20,7 +24,17 @@ from typing import Any, TypeVar
 
 from .base import StorageTuning
 
-__all__ = ["RetryCounter", "error_code", "http_status", "is_transient", "retries_of", "retry_async"]
+__all__ = [
+    "RetryCounter",
+    "backoff_bound",
+    "error_code",
+    "failure_bound",
+    "http_status",
+    "is_timeout",
+    "is_transient",
+    "retries_of",
+    "retry_async",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +81,16 @@ _TRANSIENT_NAMES = {
     "ResponseParserError",
     "FSTimeoutError",
     "IncompleteRead",
+}
+
+
+_TIMEOUT_NAMES = {
+    "ReadTimeoutError",
+    "ConnectTimeoutError",
+    "ServerTimeoutError",
+    "SocketTimeoutError",
+    "ConnectionTimeoutError",
+    "FSTimeoutError",
 }
 
 
@@ -133,15 +157,47 @@ def is_transient(error: BaseException) -> bool:
     return False
 
 
+def backoff_bound(tuning: StorageTuning) -> float:
+    """The longest :func:`retry_async` can sleep in all between the tries of one request."""
+    return sum(
+        min(tuning.retry_max_delay, tuning.retry_base_delay * 2 ** (attempt - 1))
+        for attempt in range(1, tuning.retry_attempts)
+    )
+
+
+def failure_bound(tuning: StorageTuning) -> float:
+    """How long one request can take to fail when every try times out: ``retry_attempts`` tries
+    of ``connect_timeout + read_timeout`` each, plus the longest backoff (126.2 s by default)."""
+    return tuning.retry_attempts * (tuning.connect_timeout + tuning.read_timeout) + backoff_bound(tuning)
+
+
+def is_timeout(error: BaseException) -> bool:
+    """True if ``error`` (or its cause) is a try that ran out of time: the peer went silent."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (asyncio.TimeoutError, TimeoutError)):
+            return True
+        if isinstance(current, OSError) and current.errno == errno_codes.ETIMEDOUT:
+            return True
+        if any(cls.__name__ in _TIMEOUT_NAMES for cls in type(current).__mro__):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 async def retry_async(
     call: Callable[[], Awaitable[T]],
     what: str,
     tuning: StorageTuning,
     *,
     on_retry: Callable[[BaseException], Any] | None = None,
+    give_up: Callable[[BaseException], bool] | None = None,
 ) -> T:
     """Await ``call()`` until it succeeds, retrying transient errors with capped exponential
-    backoff and full jitter; the last error (or the first permanent one) propagates."""
+    backoff and full jitter; the last error (or the first permanent one, or the first for which
+    ``give_up`` is true) propagates."""
     attempt = 0
     while True:
         attempt += 1
@@ -150,7 +206,7 @@ async def retry_async(
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            if attempt >= tuning.retry_attempts or not is_transient(e):
+            if attempt >= tuning.retry_attempts or not is_transient(e) or (give_up is not None and give_up(e)):
                 raise
             delay = random.uniform(0, min(tuning.retry_max_delay, tuning.retry_base_delay * 2 ** (attempt - 1)))
             logger.debug("retrying %s after %s (attempt %d, sleeping %.2fs)", what, type(e).__name__, attempt, delay)

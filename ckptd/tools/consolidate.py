@@ -21,6 +21,7 @@ from ..save.commit import ComponentInfo, check_destination, check_object_prefix,
 from ..save.layout import WriteItem, bucket_items, plan_file
 from ..save.tensor_files import write_layout
 from ..storage import normalize_location, storage_for
+from ..storage.liveness import hold_new_directory
 
 __all__ = ["consolidate"]
 
@@ -74,7 +75,10 @@ def consolidate(
     else:
         staging = final
         claim_step(storage, final, overwrite=overwrite)
-    storage.makedirs(staging)
+    # Local: locked until published or discarded, so a garbage collection leaves it meanwhile.
+    held = hold_new_directory(staging, storage.makedirs) if storage.local else None
+    if held is None:
+        storage.makedirs(staging)
     try:
         written: dict[str, FileRecord] = {}
         tensors: dict[str, dict[str, TensorRecord]] = {}
@@ -120,3 +124,6 @@ def consolidate(
     except BaseException:
         storage.discard(staging)
         raise
+    finally:
+        if held is not None:
+            held.release()

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CheckpointExistsError, ConfigError
 from ..options import DEFAULT_MAX_SHARD_SIZE, parse_size
 from ..storage import Storage, normalize_location, storage_for
+from ..storage.liveness import Hold, hold_new_directory
 from .tensor_sources import HF_CONFIG, Tensors, from_dcp, from_reader, is_dcp_checkpoint, load_dcp
 
 if TYPE_CHECKING:
@@ -185,8 +186,9 @@ class ShardOutput:
         """The staging place to write into: a new hidden directory (local), or the final prefix
         with the old output removed first (object stores: not atomic).  If the block fails,
         what it wrote is removed."""
-        if self.storage.local:
-            self.storage.makedirs(self.staging)
+        held: Hold | None = None
+        if self.storage.local:  # locked until published or removed: a garbage collection leaves it
+            held = hold_new_directory(self.staging, self.storage.makedirs)
         elif self.exists:
             from ..catalog import remove_checkpoint
 
@@ -199,6 +201,9 @@ class ShardOutput:
             else:
                 self.storage.discard(self.staging)
             raise
+        finally:
+            if held is not None:
+                held.release()
 
     def publish(self) -> None:
         """Swap the staged output in (local); object stores wrote in place."""

@@ -19,6 +19,7 @@ locking protocol over two modules.
 from __future__ import annotations
 
 import collections
+import errno
 import itertools
 import logging
 import os
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import IO
 
-from ..errors import StorageError, WriterError
+from ..errors import MissingFileError, StorageError, WriterError
 from . import protocol
 from .gate import PendingWrite
 from .inprocess import InProcessWriter
@@ -50,6 +51,7 @@ from .protocol import (
     Staged,
     Throttle,
     WriteFiles,
+    WriteOrder,
 )
 from .shm import SharedSegment
 
@@ -344,18 +346,18 @@ class WriterClient:
                 except WriterError:
                     pass
 
-    def write_files(self, **fields: object) -> Future[Message]:
-        """Submit a :class:`~ckptd.writer.protocol.WriteFiles` request; the future resolves to
-        :class:`~ckptd.writer.protocol.FilesWritten` or fails with WriterError / StorageError."""
-        future, _, _ = self._submit(lambda request_id: WriteFiles(request_id=request_id, **fields))  # type: ignore[arg-type]
+    def write_files(self, order: WriteOrder) -> Future[Message]:
+        """Submit ``order`` as a :class:`~ckptd.writer.protocol.WriteFiles` request; the future
+        resolves to :class:`~ckptd.writer.protocol.FilesWritten` or fails with WriterError /
+        StorageError."""
+        future, _, _ = self._submit(lambda request_id: WriteFiles.of(order, request_id))
         return future
 
-    def write_pipelined(self, staged: int, **fields: object) -> PendingWrite:
-        """Submit a pipelined :class:`~ckptd.writer.protocol.WriteFiles`: the arena bytes below
-        ``staged`` are in place, the rest follow; report them with :meth:`PendingWrite.advance`."""
-        future, request_id, channel = self._submit(
-            lambda request_id: WriteFiles(request_id=request_id, staged=staged, **fields)  # type: ignore[arg-type]
-        )
+    def write_pipelined(self, staged: int, order: WriteOrder) -> PendingWrite:
+        """Submit ``order`` as a pipelined :class:`~ckptd.writer.protocol.WriteFiles`: the arena
+        bytes below ``staged`` are in place, the rest follow; report them with
+        :meth:`PendingWrite.advance`."""
+        future, request_id, channel = self._submit(lambda request_id: WriteFiles.of(order, request_id, staged))
         return PendingWrite(future, lambda upto, error: self._notify(channel, Staged(request_id, upto, error)), staged)
 
     def _notify(self, channel: Channel | None, message: Message) -> None:
@@ -454,7 +456,8 @@ class _Unreachable(WriterError):
 
 def _failure_error(message: Failed) -> Exception:
     if message.kind == "storage":
-        error = StorageError(message.errno or 0, message.message)
+        kind = MissingFileError if message.errno == errno.ENOENT else StorageError
+        error = kind(message.errno or 0, message.message)
         error.filename = message.path
         return error
     return WriterError(f"the ckptd writer failed: {message.message}", message.traceback)

@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from ..errors import WriterError
 from . import protocol
 from .gate import PendingWrite, StagingGate
-from .protocol import Hello, Message, Pong, WriteFiles
+from .protocol import Hello, Message, Pong, WriteFiles, WriteOrder
 from .shm import SharedSegment
 from .stream import write_files
 
@@ -52,26 +52,25 @@ class InProcessWriter:
     def detach_arena(self, arena_id: int) -> None:
         self._arenas.pop(arena_id, None)
 
-    def write_files(self, **fields: object) -> Future[Message]:
+    def write_files(self, order: WriteOrder) -> Future[Message]:
         self.ensure_running()
-        request = WriteFiles(request_id=0, **fields)  # type: ignore[arg-type]
-        return self._pool.submit(self._write, request)
+        return self._pool.submit(self._write, WriteFiles.of(order, 0))
 
-    def write_pipelined(self, staged: int, **fields: object) -> PendingWrite:
+    def write_pipelined(self, staged: int, order: WriteOrder) -> PendingWrite:
         """Like :meth:`write_files`, for an arena still being filled (see ``WriterClient``)."""
         self.ensure_running()
         gate = StagingGate(staged)
-        request = WriteFiles(request_id=0, staged=staged, **fields)  # type: ignore[arg-type]
+        request = WriteFiles.of(order, 0, staged)
         return PendingWrite(self._pool.submit(self._write, request, gate), gate.advance, staged)
 
     def _write(self, request: WriteFiles, gate: StagingGate | None = None) -> Message:
         segment = self._arenas.get(request.arena_id)
-        if segment is None:
+        if segment is None and (request.files or request.arena_id):  # arena 0: only copies
             raise WriterError(
                 f"write request names staging arena {request.arena_id}, which is not attached to the "
                 f"in-process writer (attached: {sorted(self._arenas)})"
             )
-        view = segment.view()
+        view = segment.view() if segment is not None else memoryview(b"")
         self._busy = True
         try:
             return write_files(

@@ -183,14 +183,14 @@ class _Writer:
 
     def _write(self, request: WriteFiles) -> FilesWritten:
         segment = self.arenas.get(request.arena_id)
-        if segment is None:
+        if segment is None and (request.files or request.arena_id):  # arena 0: only copies
             raise WriterError(
                 f"write request {request.request_id} names staging arena {request.arena_id}, "
                 f"which is not attached to the writer (attached: {sorted(self.arenas)})"
             )
         with self.gates_lock:
             gate = self.gates.get(request.request_id)
-        view = segment.view()
+        view = segment.view() if segment is not None else memoryview(b"")  # only copies to make
         self.throttle.reset(resume=request.resume_throttle)  # full speed unless training goes on
         slept_before = self.throttle.throttled_seconds
         try:
@@ -215,10 +215,12 @@ class _Writer:
 
 def _failure(request_id: int, error: BaseException) -> Failed:
     kind = "storage" if isinstance(error, (StorageError, OSError)) else "internal"
+    # An OSError's str() repeats its errno and file name; the parent rebuilds both.
+    text = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
     return Failed(
         request_id=request_id,
         kind=kind,
-        message=str(error),
+        message=text,
         path=getattr(error, "filename", None),
         errno=getattr(error, "errno", None),
         traceback="".join(traceback.format_exception(error)),

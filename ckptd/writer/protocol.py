@@ -7,8 +7,9 @@ with a frame (``SCM_RIGHTS``).  Every request carries a ``request_id`` that its 
 Conversation:
 1. The writer starts and sends :class:`Hello`; the parent checks the protocol version.
 2. The parent sends :class:`AttachArena` (with the segment's fd) for every staging arena.
-3. For each save the parent sends :class:`WriteFiles`; the writer answers :class:`FilesWritten`
-   or :class:`Failed`.  :class:`Ping` may arrive at any time and is answered at once.
+3. For each save the parent sends :class:`WriteFiles` (a :class:`WriteOrder`: files to write
+   from the arena, files to link or copy from the last checkpoint); the writer answers
+   :class:`FilesWritten` or :class:`Failed`.  :class:`Ping` may arrive at any time and is answered at once.
    A pipelined request (``staged`` not ``None``: the arena is still being filled) is followed by
    :class:`Staged` notices (no answer) as the parent's staging copy advances; the writer writes
    each chunk once the notices cover it.  A notice with ``error`` set cancels the request: the
@@ -33,11 +34,13 @@ __all__ = [
     "AttachArena",
     "Channel",
     "ChannelClosed",
+    "CopySpec",
     "DetachArena",
     "Failed",
     "FileResult",
     "FileSpec",
     "FilesWritten",
+    "HOW_WRITTEN",
     "Hello",
     "Message",
     "Ok",
@@ -47,9 +50,10 @@ __all__ = [
     "Staged",
     "Throttle",
     "WriteFiles",
+    "WriteOrder",
 ]
 
-PROTOCOL_VERSION = 3  # 2: pipelined writes (WriteFiles.staged, Staged); 3: Throttle
+PROTOCOL_VERSION = 4  # 2: pipelined writes (WriteFiles.staged, Staged); 3: Throttle; 4: copies, digests
 _MAX_FRAME = 256 * 1024 * 1024
 _MAX_FDS = 4
 
@@ -57,28 +61,61 @@ _MAX_FDS = 4
 @dataclass(frozen=True)
 class FileSpec:
     """Bytes to write: ``arena[arena_offset : arena_offset + size]`` into file ``name`` under the
-    target directory.  ``whole_file``: the bytes are the entire file (created or truncated);
-    otherwise they go at ``file_offset`` of a file other ranks write into too (``pwrite``).
-    With ``skip_if_crc``, the writer checksums first and writes nothing if the CRC32C matches."""
+    target directory.  ``whole_file``: the bytes are the entire file (created new); otherwise
+    they go at ``file_offset`` of a file other ranks write into too (``pwrite``).
+
+    ``digest``: also compute the SHA-256 of the bytes (``incremental="hash"`` records it in the
+    manifest, for the next save to compare with).  ``unchanged_if`` (``"sha256:<hex>"``) and
+    ``source``: the file ``source`` of the last committed checkpoint has that digest; if these
+    bytes have it too, ``name`` is made from ``source`` (a link or server-side copy) instead of
+    being written."""
 
     name: str
     arena_offset: int
     size: int
     file_offset: int = 0
     whole_file: bool = True
-    skip_if_crc: int | None = None  # incremental saves: the previous save's CRC32C of this file
+    digest: bool = False
+    unchanged_if: str | None = None
+    source: str | None = None
+
+
+@dataclass(frozen=True)
+class CopySpec:
+    """A file of the save that the last committed checkpoint holds already (an incremental
+    save's frozen tensors, not staged): ``name`` under the target directory gets the bytes of
+    ``source`` by the storage's ``copy_file`` (a hard link, a copy, a server-side copy).
+    ``size`` is checked; ``crc32c`` (the source's, from its manifest) is echoed in the result."""
+
+    name: str
+    source: str
+    size: int
+    crc32c: int
+    digest: str | None = None
+
+
+HOW_WRITTEN = "write"
+""":attr:`FileResult.how` of bytes written from the arena (the others: ``"link"``, ``"copy"``,
+``"server_copy"``, what ``Storage.copy_file`` answered)."""
 
 
 @dataclass(frozen=True)
 class FileResult:
-    """What the writer wrote for one :class:`FileSpec` (CRC32C of those bytes only)."""
+    """What the writer did for one :class:`FileSpec` or :class:`CopySpec`: ``how`` the file was
+    made, the CRC32C of those bytes only, and their SHA-256 when asked (``"sha256:<hex>"``)."""
 
     name: str
     size: int
     crc32c: int
     seconds: float
     file_offset: int = 0
-    reused: bool = False  # the bytes matched ``skip_if_crc``: nothing was written
+    how: str = HOW_WRITTEN
+    digest: str | None = None
+
+    @property
+    def reused(self) -> bool:
+        """The file was made from an earlier checkpoint's (linked or copied), not written."""
+        return self.how != HOW_WRITTEN
 
 
 @dataclass(frozen=True)
@@ -114,28 +151,41 @@ class DetachArena(Message):
 
 
 @dataclass(frozen=True)
-class WriteFiles(Message):
-    """Write ``files`` from arena ``arena_id`` into ``directory`` (a local path or fsspec URL).
+class WriteOrder:
+    """What one save asks its writer to do: write ``files`` from arena ``arena_id`` into
+    ``directory`` (a local path or fsspec URL) and make ``copies`` there (the typed body of a
+    :class:`WriteFiles` request, built by the saver, sent by the client).
 
     ``abandon_directory`` tells the writer which directory to delete if its parent dies while
-    this request is in flight.  ``staged``: ``None`` when every byte is in the arena already;
-    otherwise the arena offset below which the bytes are staged so far, raised by later
-    :class:`Staged` notices (a pipelined save).  ``resume_throttle``: the trainer is training,
-    so the adaptive throttle starts at the limit it learned (:mod:`ckptd.writer.throttle`).
+    this request is in flight.  ``resume_throttle``: the trainer is training, so the adaptive
+    throttle starts at the limit it learned (:mod:`ckptd.writer.throttle`).
     """
 
-    request_id: int
     arena_id: int
     directory: str
     files: list[FileSpec]
+    copies: list[CopySpec] = field(default_factory=list)
     storage_options: dict[str, Any] = field(default_factory=dict)
     fsync: bool = True
     chunk_size: int = 16 * 1024 * 1024
     threads: int = 1
     abandon_directory: str | None = None
     tuning: dict[str, Any] = field(default_factory=dict)
-    staged: int | None = None
     resume_throttle: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteFiles(WriteOrder, Message):
+    """A :class:`WriteOrder` sent as request ``request_id``.  ``staged``: ``None`` when every
+    byte is in the arena already; otherwise the arena offset below which the bytes are staged so
+    far, raised by later :class:`Staged` notices (a pipelined save)."""
+
+    request_id: int
+    staged: int | None = None
+
+    @classmethod
+    def of(cls, order: WriteOrder, request_id: int, staged: int | None = None) -> WriteFiles:
+        return cls(request_id=request_id, staged=staged, **{f.name: getattr(order, f.name) for f in fields(WriteOrder)})
 
 
 @dataclass(frozen=True)
@@ -201,7 +251,11 @@ class Failed(Message):
     traceback: str = ""
 
 
-_NESTED = {("WriteFiles", "files"): FileSpec, ("FilesWritten", "results"): FileResult}
+_NESTED = {
+    ("WriteFiles", "files"): FileSpec,
+    ("WriteFiles", "copies"): CopySpec,
+    ("FilesWritten", "results"): FileResult,
+}
 
 
 def _plain(value: Any) -> Any:

@@ -5,16 +5,19 @@ Shared by the writer process and the in-process writer (for ``memory://``).  Tor
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
-from ..formats.checksum import CHECKSUM_CHUNK, crc32c, crc32c_of_view
-from ..storage import Storage, StorageTuning, storage_for
+from ..errors import StorageError
+from ..formats.checksum import CHECKSUM_CHUNK, DIGEST_PREFIX, crc32c, crc32c_of_view, sha256_of_view
+from ..storage import Stopped, Storage, StorageTuning, storage_for
 from ..storage.local import LocalStorage
 from ..storage.retry import retries_of
 from .gate import StagingGate, chunk_gate
-from .protocol import FileResult, FileSpec, FilesWritten, WriteFiles
+from .protocol import CopySpec, FileResult, FileSpec, FilesWritten, WriteFiles
 
 __all__ = ["write_files"]
 
@@ -28,16 +31,20 @@ def write_files(
     on_progress: Callable[[int], None],
     gate: StagingGate | None = None,
 ) -> FilesWritten:
-    """Write every file of ``request`` from ``arena``; raises on the first failure.
+    """Write every file of ``request`` from ``arena`` and make its ``copies``; raises on the
+    first failure.
 
-    Each file's CRC32C is computed on another thread while the file is written (the arena does
-    not change meanwhile).  ``request.threads`` files are written at once.  When
-    ``should_stop()`` turns true the current files are removed and
+    Each file's CRC32C (and SHA-256, when asked) is computed on another thread while the file is
+    written (the arena does not change meanwhile).  ``request.threads`` files are written at
+    once.  When ``should_stop()`` turns true the current files are removed and
     :class:`~ckptd.storage.Stopped` is raised.
 
     With a ``gate`` (a pipelined request) every read of the arena waits until the gate says its
     bytes are staged: chunk by chunk on local storage (its ``write_view`` reads the view in
     order, polling ``should_stop()`` before each chunk), the whole file first elsewhere.
+
+    ``copies`` (files an incremental save takes from the last committed checkpoint) are made by
+    the storage's ``copy_file``: hard links on local disk, server-side copies on object stores.
     """
     started = time.perf_counter()
     storage = storage_for(request.directory, request.storage_options, StorageTuning(**request.tuning))
@@ -45,20 +52,52 @@ def write_files(
     def write_one(spec: FileSpec, fsync: bool = request.fsync) -> FileResult:
         return _write_file(storage, request, spec, arena, checksums, should_stop, on_progress, gate, fsync)
 
-    if request.threads > 1 and len(request.files) > 1:
-        with ThreadPoolExecutor(min(request.threads, len(request.files)), thread_name_prefix="ckptd-file") as pool:
-            futures = [pool.submit(write_one, spec) for spec in request.files]
+    def copy_one(spec: CopySpec) -> FileResult:
+        return _copy_file(storage, request, spec, should_stop)
+
+    if request.threads > 1 and len(request.files) + len(request.copies) > 1:
+        count = min(request.threads, len(request.files) + len(request.copies))
+        with ThreadPoolExecutor(count, thread_name_prefix="ckptd-file") as pool:
+            futures = [pool.submit(copy_one, spec) for spec in request.copies]
+            futures += [pool.submit(write_one, spec) for spec in request.files]
             try:
                 results = [f.result() for f in futures]
             except BaseException:
                 for f in futures:
                     f.cancel()
                 raise
-    elif request.fsync and isinstance(storage, LocalStorage) and len(request.files) > 1:
-        results = _write_syncing_behind(storage, request, write_one)
     else:
-        results = [write_one(spec) for spec in request.files]
+        results = [copy_one(spec) for spec in request.copies]
+        if request.fsync and isinstance(storage, LocalStorage) and len(request.files) > 1:
+            results += _write_syncing_behind(storage, request, write_one)
+        else:
+            results += [write_one(spec) for spec in request.files]
     return FilesWritten(request.request_id, results, time.perf_counter() - started, retries_of(storage))
+
+
+def _copy_file(storage: Storage, request: WriteFiles, spec: CopySpec, should_stop: Callable[[], bool]) -> FileResult:
+    """Make ``spec.name`` from the earlier checkpoint's file, and check its size."""
+    if should_stop():
+        raise Stopped(spec.name)
+    started = time.perf_counter()
+    path = storage.join(request.directory, spec.name)
+    how = _copy_checked(storage, spec.source, path, spec.size, request.fsync)
+    return FileResult(spec.name, spec.size, spec.crc32c, time.perf_counter() - started, how=how, digest=spec.digest)
+
+
+def _copy_checked(storage: Storage, source: str, path: str, size: int, fsync: bool) -> str:
+    """``storage.copy_file(source, path)``, then check that the copy has the ``size`` bytes the
+    source's manifest records (a file edited after its commit is not reused)."""
+    how = storage.copy_file(source, path, fsync=fsync)
+    found = storage.size(path)
+    if found != size:
+        storage.remove(path)
+        raise StorageError(
+            errno.EIO,
+            f"{source} holds {found} bytes, but the checkpoint it belongs to records {size}: "
+            "it changed after its commit; this save cannot reuse it",
+        )
+    return how
 
 
 def _write_syncing_behind(
@@ -102,14 +141,22 @@ def _write_file(
     end = spec.arena_offset + spec.size
     before_chunk = should_stop
     if gate is not None and not gate.complete:
-        if storage.local and spec.whole_file and spec.skip_if_crc is None:
+        if storage.local and spec.whole_file and spec.unchanged_if is None:
             before_chunk = chunk_gate(gate, spec.arena_offset, spec.size, request.chunk_size, path, should_stop)
         else:
             gate.wait(end, path, should_stop)
-    if spec.skip_if_crc is not None and spec.whole_file:
-        value = crc32c_of_view(data)
-        if value == spec.skip_if_crc:
-            return FileResult(spec.name, spec.size, value, time.perf_counter() - started, spec.file_offset, True)
+    digest: Future[str] | None = None
+    if spec.unchanged_if is not None and spec.source is not None and spec.whole_file:
+        # incremental="hash": the bytes are in the arena; unchanged ones are linked or copied
+        # from the last checkpoint instead of being written again.
+        value = sha256_of_view(data)
+        if value == spec.unchanged_if:
+            how = _copy_checked(storage, spec.source, path, spec.size, request.fsync)
+            crc = crc32c_of_view(data)
+            return FileResult(spec.name, spec.size, crc, time.perf_counter() - started, how=how, digest=value)
+        digest = _done(value)
+    elif spec.digest and spec.whole_file:
+        digest = checksums.submit(_gated_digest, data, gate, spec.arena_offset, path, should_stop)
     if gate is not None and not gate.complete:
         checksum: Future[int] = checksums.submit(_gated_crc32c, data, gate, spec.arena_offset, path, should_stop)
     else:
@@ -138,8 +185,37 @@ def _write_file(
             )
     except BaseException:
         checksum.cancel()
+        if digest is not None:
+            digest.cancel()
         raise
-    return FileResult(spec.name, spec.size, checksum.result(), time.perf_counter() - started, spec.file_offset)
+    return FileResult(
+        spec.name,
+        spec.size,
+        checksum.result(),
+        time.perf_counter() - started,
+        spec.file_offset,
+        digest=digest.result() if digest is not None else None,
+    )
+
+
+def _done(value: str) -> Future[str]:
+    future: Future[str] = Future()
+    future.set_result(value)
+    return future
+
+
+def _gated_digest(
+    data: memoryview, gate: StagingGate | None, arena_offset: int, what: str, should_stop: Callable[[], bool]
+) -> str:
+    """SHA-256 of ``data`` (at ``arena_offset`` of the arena), each chunk once it is staged (with
+    a ``gate``: a pipelined request)."""
+    hasher = hashlib.sha256()
+    for start in range(0, len(data), CHECKSUM_CHUNK):
+        stop = min(len(data), start + CHECKSUM_CHUNK)
+        if gate is not None:
+            gate.wait(arena_offset + stop, what, should_stop)
+        hasher.update(data[start:stop])
+    return DIGEST_PREFIX + hasher.hexdigest()
 
 
 def _gated_crc32c(

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from cli_helpers import EXIT, assert_error, run
+from conftest import assert_same
 
 import ckptd
 
@@ -92,18 +93,26 @@ def test_a_truncated_file_fails_info_with_the_corrupt_code(committed):
     assert_error(run("info", path), "corrupt", "truncated")
 
 
-def test_rm_of_a_checkpoint_others_reference_is_refused(tmp_path):
+def test_rm_of_a_checkpoint_an_older_versions_checkpoint_references_is_refused(legacy_root):
+    assert_error(run("rm", legacy_root, "1"), "conflict", "checkpoint-2", "checkpoint-3")
+    assert_error(run("rm", legacy_root, "7"), "not_found", "step 7", "[1, 2, 3]")
+    assert run("rm", legacy_root, "3").returncode == 0
+    assert run("rm", legacy_root, "2").returncode == 0
+    assert run("rm", legacy_root, "1").returncode == 0
+    assert ckptd.Checkpointer(legacy_root).steps() == []
+
+
+def test_rm_of_a_checkpoint_a_newer_incremental_one_linked_from_leaves_the_newer_whole(tmp_path):
     root = str(tmp_path / "runs")
     frozen = torch.nn.Linear(4, 4)
     frozen.weight.requires_grad_(False)
     with ckptd.Checkpointer(root, incremental=True) as ckpt:
         ckpt.save(1, {"model": frozen})
-        ckpt.save(2, {"model": frozen})
-    assert_error(run("rm", root, "1"), "conflict", "checkpoint-2")
-    assert_error(run("rm", root, "7"), "not_found", "step 7", "[1, 2]")
-    assert run("rm", root, "2").returncode == 0
+        assert ckpt.save(2, {"model": frozen}).bytes_linked > 0
     assert run("rm", root, "1").returncode == 0
-    assert ckptd.Checkpointer(root).steps() == []
+    with ckptd.Checkpointer(root) as ckpt:
+        assert ckpt.steps() == [2]
+        assert_same(frozen.state_dict(), ckpt.load(2, verify=True)["model"])
 
 
 def test_usage_errors_are_one_line_with_code_2(tmp_path):

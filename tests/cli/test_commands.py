@@ -29,7 +29,7 @@ def test_ls_has_a_header_sizes_and_a_leftover_warning(tmp_path):
     out = run("ls", root)
     assert out.returncode == 0, out.stderr
     header, committed, *leftovers = out.stdout.strip().splitlines()
-    assert header.split() == ["STEP", "CREATED", "(UTC)", "WRITTEN", "REFERENCED", "FILES", "STATE", "NAME"]
+    assert header.split() == ["STEP", "CREATED", "(UTC)", "WRITTEN", "LINKED", "COPIED", "FILES", "STATE", "NAME"]
     assert committed.split()[0] == "3" and "committed" in committed and committed.endswith("checkpoint-3")
     assert len(leftovers) == 2 and all("incomplete" in line for line in leftovers)
     assert "2.0 KiB" in leftovers[0] and leftovers[0].endswith(os.path.basename(stale))

@@ -30,6 +30,8 @@ LS = {
             "created_utc": str,
             "state": str,
             "bytes_written": int,
+            "bytes_linked": int,
+            "bytes_copied": int,
             "bytes_referenced": int,
             "files": int,
             "references": [str],
@@ -55,8 +57,10 @@ INFO = {
     "tensor_bytes": int,
     "dtypes": dict,
     "largest_tensors": [TENSOR],
-    "files": [{"name": str, "size": int, "crc32c": STR_OR_NONE, "checkpoint": STR_OR_NONE}],
+    "files": [{"name": str, "size": int, "crc32c": STR_OR_NONE, "reused": STR_OR_NONE, "checkpoint": STR_OR_NONE}],
     "bytes_written": int,
+    "bytes_linked": int,
+    "bytes_copied": int,
     "bytes_referenced": int,
     "references": [{"checkpoint": str, "path": str, "files": int, "bytes": int, "committed": bool}],
     "non_tensor_components": [str],
@@ -146,7 +150,7 @@ def test_check_rejects_missing_extra_and_mistyped_keys():
 
 @pytest.fixture(scope="module")
 def incremental_root(tmp_path_factory):
-    """Steps 1 and 2 (step 2 reuses step 1's frozen embedding file) and one stale staging dir."""
+    """Steps 1 and 2 (step 2 links step 1's frozen embedding file) and one stale staging dir."""
     root = str(tmp_path_factory.mktemp("json") / "runs")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 8))
@@ -171,10 +175,11 @@ def test_ls_json(incremental_root):
     assert document["_exit"] == 0 and document["_stderr"] == ""  # the leftover warning is in the document
     first, second = document["checkpoints"]
     assert (first["step"], second["step"]) == (1, 2)
-    assert second["references"] == ["checkpoint-1"]
+    assert second["references"] == [] and second["bytes_referenced"] == 0
     manifest = ckptd.CheckpointReader.open(second["path"]).manifest
-    assert second["bytes_referenced"] == sum(f.size for f in manifest.files.values() if f.checkpoint)
-    assert second["bytes_written"] == sum(f.size for f in manifest.files.values() if not f.checkpoint)
+    assert second["bytes_linked"] == sum(f.size for f in manifest.files.values() if f.reused == "link") > 0
+    assert second["bytes_written"] == sum(f.size for f in manifest.files.values() if not f.reused)
+    assert second["bytes_copied"] == 0
     assert 0 < second["bytes_written"] < first["bytes_written"]
     (leftover,) = document["leftovers"]
     assert leftover["kind"] == "staging" and leftover["bytes"] == 3000
@@ -191,10 +196,22 @@ def test_info_json(incremental_root):
     assert document["non_tensor_components"] == ["progress"]
     largest = document["largest_tensors"][0]
     assert (largest["key"], largest["shape"], largest["bytes"]) == ("0.weight", [64, 16], 64 * 16 * 4)
-    (reference,) = document["references"]
+    assert document["references"] == [] and document["bytes_linked"] > 0
+    linked = [f for f in document["files"] if f["reused"] == "link"]
+    assert linked and all(f["checkpoint"] is None for f in document["files"])
+    assert all(len(f["crc32c"]) == 8 for f in document["files"])
+
+
+def test_ls_and_info_json_of_an_older_versions_referencing_checkpoints(legacy_root):
+    document = run_json("ls", legacy_root)
+    check(document, LS)
+    third = document["checkpoints"][2]
+    assert third["references"] == ["checkpoint-1"] and third["bytes_referenced"] > 0 and third["bytes_linked"] == 0
+    info = run_json("info", os.path.join(legacy_root, "checkpoint-3"))
+    check(info, INFO)
+    (reference,) = info["references"]
     assert reference["checkpoint"] == "checkpoint-1" and reference["committed"]
-    referenced = [f for f in document["files"] if f["checkpoint"]]
-    assert referenced and all(len(f["crc32c"]) == 8 for f in document["files"])
+    assert [f["name"] for f in info["files"] if f["checkpoint"]] == ["model-00002-of-00002.safetensors"]
 
 
 def test_verify_diff_json(incremental_root):
@@ -210,7 +227,7 @@ def test_verify_diff_json(incremental_root):
     assert diff["unchanged"] == 2
     quick = run_json("diff", a, b)
     check(quick, DIFF)
-    assert "0.weight" not in {c["key"] for c in quick["changed"]}  # same referenced file: unchanged
+    assert "0.weight" not in {c["key"] for c in quick["changed"]}  # the same (linked) file: unchanged
 
 
 def test_gc_rm_consolidate_convert_json(incremental_root, tmp_path):

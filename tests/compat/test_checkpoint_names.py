@@ -73,7 +73,7 @@ def test_object_store_gc_keeps_checkpoints_other_tools_committed():
     import json
     import uuid
 
-    from ckptd.catalog import collect_garbage
+    from ckptd.garbage import collect_garbage
     from ckptd.storage import storage_for
 
     root = f"memory://gc-{uuid.uuid4().hex}"

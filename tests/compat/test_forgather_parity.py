@@ -651,18 +651,28 @@ def test_checkpointer_load_names_the_foreign_manifest(forgather_model_dir, tmp_p
             ckpt.load(fg.next_checkpoint_path(model_dir, 100))
 
 
-def test_rotation_keeps_checkpoints_that_incremental_saves_reference(tmp_path, caplog):
+def test_rotation_deletes_the_checkpoint_an_incremental_save_linked_from(tmp_path):
     model_dir = str(tmp_path)
     frozen = torch.nn.Linear(64, 64).requires_grad_(False)
     with ckptd.Checkpointer(os.path.join(model_dir, "checkpoints"), incremental=True) as ckpt:
         for step in (1, 2):
             ckpt.save(step, {"model": frozen, "step": {"n": torch.tensor(step)}})
     fg.maybe_delete_oldest_checkpoint(model_dir, 1)
-    assert sorted(os.listdir(os.path.join(model_dir, "checkpoints"))) == ["checkpoint-1", "checkpoint-2"]
-    assert "reference its files" in caplog.text
+    assert sorted(os.listdir(os.path.join(model_dir, "checkpoints"))) == ["checkpoint-2"], "2 holds its own files"
     latest = fg.find_latest_checkpoint(model_dir)
     assert latest == fg.next_checkpoint_path(model_dir, 2)
     assert_same(frozen.state_dict(), fg.load_checkpoint(latest))
+
+
+def test_rotation_keeps_checkpoints_an_older_versions_checkpoint_references(tmp_path, legacy_root, caplog):
+    model_dir = str(tmp_path / "model")
+    os.makedirs(model_dir)
+    os.rename(legacy_root, os.path.join(model_dir, "checkpoints"))  # steps 1-3; 2 and 3 reference 1
+    fg.maybe_delete_oldest_checkpoint(model_dir, 1)
+    assert sorted(os.listdir(os.path.join(model_dir, "checkpoints"))) == ["checkpoint-1", "checkpoint-3"]
+    assert "reference its files" in caplog.text
+    loaded = fg.load_checkpoint(os.path.join(model_dir, "checkpoints", "checkpoint-3"))
+    assert torch.equal(loaded["adapter.bias"], torch.full((4,), 3.0))
 
 
 @pytest.mark.parametrize(

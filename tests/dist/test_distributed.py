@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import time
 
@@ -561,22 +562,34 @@ def incremental_two_saves(rank: int, world: int, root: str) -> dict[str, object]
     frozen = torch.nn.Embedding(256, 64)
     frozen.weight.requires_grad_(False)
     model = torch.nn.ModuleDict({"embed": frozen, "head": torch.nn.Linear(64, 8)})
+    rows = torch.arange(8 * 16, dtype=torch.float32).reshape(8, 16)
+    piece = ckptd.ShardedTensor("table.rows", rows[rank * 4 : rank * 4 + 4].clone(), (8, 16), (rank * 4, 0))
+    frozen_keys = {"sharded": ["table.*"]}
     with ckptd.Checkpointer(root, dist_timeout=60, incremental=True) as ckpt:
-        ckpt.save(1, {"model": model})
+        ckpt.save(1, {"model": model, "sharded": {"piece": piece}}, frozen=frozen_keys)
         with torch.no_grad():
             model["head"].bias.add_(1)
-        second = ckpt.save(2, {"model": model})
-        loaded = ckpt.load(2)["model"]
-    assert_same(model.state_dict(), loaded)
-    return {"reused": second.bytes_reused, "path": second.path}
+        second = ckpt.save(2, {"model": model, "sharded": {"piece": piece}}, frozen=frozen_keys)
+        torch.distributed.barrier()
+        if rank == 0:
+            shutil.rmtree(os.path.join(root, "checkpoint-1"))  # checkpoint-2 holds every file itself
+        torch.distributed.barrier()
+        loaded = ckpt.load(2)
+    assert_same(model.state_dict(), loaded["model"])
+    assert_same(rows, loaded["sharded"]["piece"])
+    return {"linked": second.bytes_linked, "path": second.path}
 
 
-def test_incremental_saves_across_ranks(tmp_path):
+def test_incremental_saves_across_ranks_link_files_several_ranks_wrote(tmp_path):
+    """The frozen sharded table's file was written by both ranks (row blocks); the rank holding
+    its first bytes links it into the next checkpoint, the other skips its piece."""
     root = str(tmp_path / "ckpts")
     results = run_ranks(2, incremental_two_saves, root)
-    assert results[0]["reused"] >= 256 * 64 * 4
+    assert results[0]["linked"] >= 256 * 64 * 4 + 8 * 16 * 4
     manifest = json.loads(open(os.path.join(results[0]["path"], "checkpoint_manifest.json")).read())
-    assert any(f.get("checkpoint") == "checkpoint-1" for f in manifest["files"].values())
+    assert not any("checkpoint" in f for f in manifest["files"].values())
+    linked = {n for n, f in manifest["files"].items() if f.get("reused") == "link"}
+    assert any(n.startswith("sharded-") for n in linked) and any(n.startswith("model-") for n in linked)
 
 
 def save_from_rank_zero_only(rank: int, world: int, root: str) -> int | None:

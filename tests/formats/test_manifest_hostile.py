@@ -1,4 +1,5 @@
-"""Regression tests for issue 13, items 6-8: hostile manifests, state files and indexes.
+"""Regression tests for issue 13, items 6-8: hostile manifests, state files and indexes; and for
+items 11-12 of the adversarial pass: crafted manifests that pass their checksum.
 
 One bad manifest must not break listing the root; an edited manifest must not load; every
 malformed input raises a ckptd error (CorruptCheckpointError on load, UnsupportedValueError on save).
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import random
 
 import pytest
 import torch
@@ -16,11 +19,20 @@ from conftest import assert_same
 
 import ckptd
 from ckptd import cli
-from ckptd.catalog import apply_retention, latest_checkpoint, list_checkpoints
-from ckptd.errors import CkptdError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
+from ckptd.catalog import latest_checkpoint, list_checkpoints
+from ckptd.errors import (
+    CkptdError,
+    CorruptCheckpointError,
+    KeyMismatchError,
+    UnsafeCheckpointError,
+    UnsupportedValueError,
+)
+from ckptd.formats import manifest as manifest_module
 from ckptd.formats.checksum import crc32c, format_crc
 from ckptd.formats.json_files import parse_json, read_small_file
+from ckptd.formats.manifest import ChunkRecord, ComponentRecord, FileRecord, Manifest, TensorRecord
 from ckptd.load.reader import CheckpointReader
+from ckptd.retention import apply_retention
 from ckptd.storage import LocalStorage
 
 MANIFEST = "checkpoint_manifest.json"
@@ -316,3 +328,317 @@ def test_size_limit_comes_from_the_environment(saved, monkeypatch):
         read_small_file(LocalStorage(), os.path.join(path, MANIFEST))
     monkeypatch.delenv("CKPTD_MAX_JSON_BYTES")
     assert_same(state["model"], checkpointer.load(1)["model"])
+
+
+# ---- adversarial pass, items 11-12: crafted manifests that pass their checksum -------------------
+#
+# Each manifest below is re-signed (its checksum recomputed as ckptd computes it), so only the
+# checks behind the checksum stand between it and a load.  Before they existed these loads
+# returned uninitialised memory or another key's tensor without an error.
+
+
+def write_signed_manifest(path: str, body: dict) -> None:
+    """Write ``body`` with a valid self-checksum: the CRC32C of its canonical JSON (docs/design.md)."""
+    body = {k: v for k, v in body.items() if k != "checksum"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    body["checksum"] = format_crc(crc32c(canonical))
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(body, f, indent=1)
+
+
+class Pair(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4, 6))
+        self.b = torch.nn.Parameter(torch.zeros(3))
+
+
+@pytest.fixture
+def two(checkpointer):
+    """Step 1 (to be crafted) and step 2 (its valid neighbour, which must keep loading)."""
+    states = {}
+    for step in (1, 2):
+        w = torch.arange(24, dtype=torch.float32).reshape(4, 6) + step
+        states[step] = {"model": {"w": w, "b": torch.full((3,), float(step))}, "data": {"pos": step}}
+        checkpointer.save(step, states[step])
+    return checkpointer, checkpointer.path_for(1), states
+
+
+def assert_neighbour_loads(checkpointer, states) -> None:
+    assert checkpointer.steps() == [2]  # the crafted checkpoint-1 is "not a checkpoint" for listing
+    assert_same(states[2]["model"], checkpointer.load(2)["model"])
+
+
+def chunked(entry: dict, boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> dict:
+    """A whole F32 tensor entry rewritten as chunks with ``boxes``, their bytes taken in order
+    from the tensor's own range (so the rows of a row-slab split keep their true bytes)."""
+    start = entry["offsets"][0]
+    chunks = []
+    for offset, shape in boxes:
+        nbytes = 4 * math.prod(shape)
+        chunks.append(
+            {
+                "file": entry["file"],
+                "offsets": [start, start + nbytes],
+                "global_offset": list(offset),
+                "shape": list(shape),
+            }
+        )
+        start += nbytes
+    return {"dtype": entry["dtype"], "shape": entry["shape"], "chunks": chunks}
+
+
+def test_a_valid_chunk_split_loads_bit_exact(two):
+    checkpointer, path, states = two
+    body = read_manifest_json(path)
+    tensors = body["components"]["model"]["tensors"]
+    tensors["w"] = chunked(tensors["w"], [((0, 0), (1, 6)), ((1, 0), (2, 6)), ((3, 0), (1, 6))])
+    write_signed_manifest(path, body)
+    assert_same(states[1]["model"], checkpointer.load(1)["model"])
+
+
+@pytest.mark.parametrize(
+    "boxes",
+    [
+        [((0, 0), (2, 6)), ((0, 0), (2, 6))],  # the same rows twice, rows 2-3 in no chunk
+        [((0, 0), (2, 6)), ((1, 0), (2, 6))],  # row 1 twice, row 3 in none
+        [((0, 0), (4, 3)), ((0, 2), (3, 4))],  # a column slab crossed by a block, the counts compensated
+        [*[((r, c), (2, 2)) for r in (0, 2) for c in (0, 2, 4)][:-1], ((2, 2), (2, 2))],  # a grid cell doubled
+    ],
+    ids=["same-box", "shifted-rows", "crossing", "grid-cell-doubled"],
+)
+def test_overlapping_chunks_are_corrupt(two, boxes):
+    checkpointer, path, states = two
+    body = read_manifest_json(path)
+    tensors = body["components"]["model"]["tensors"]
+    tensors["w"] = chunked(tensors["w"], boxes)
+    assert sum(math.prod(shape) for _, shape in boxes) == 24  # the element count alone cannot tell
+    write_signed_manifest(path, body)
+    with pytest.raises(CorruptCheckpointError, match=r"tensor model\.w: chunks overlap"):
+        checkpointer.load(1)
+    with pytest.raises(CorruptCheckpointError, match=r"model\.w"):
+        checkpointer.load(1, keys=["model.b"])  # refused at parse: even keys that are fine do not load
+    assert_neighbour_loads(checkpointer, states)
+
+
+@pytest.mark.parametrize("force_sweep", [False, True], ids=["faces", "sweep"])
+def test_one_overlap_among_thousands_of_chunks(checkpointer, monkeypatch, force_sweep):
+    """4,096 chunks (one per rank of a 64 x 64 grid), one of them a copy of its neighbour: found
+    by the face cancellation and, past its budget, by the sort-and-sweep."""
+    if force_sweep:
+        monkeypatch.setattr(manifest_module, "_TILING_STEPS", 0)
+    w = torch.randn(64, 64)
+    for step in (1, 2):
+        checkpointer.save(step, {"model": {"w": w + step}})
+    path = checkpointer.path_for(1)
+    body = read_manifest_json(path)
+    tensors = body["components"]["model"]["tensors"]
+    grid = [((r, c), (1, 1)) for r in range(64) for c in range(64)]
+    tensors["w"] = chunked(tensors["w"], grid)  # 1 x 1 chunks in row-major order: valid
+    write_signed_manifest(path, body)
+    assert_same({"w": w + 1}, checkpointer.load(1)["model"])
+    tensors["w"]["chunks"][2080]["global_offset"] = [32, 33]  # the chunk at [32, 32] now doubles [32, 33]
+    write_signed_manifest(path, body)
+    with pytest.raises(CorruptCheckpointError, match=r"tensor model\.w: chunks overlap"):
+        checkpointer.load(1)
+    assert_same({"w": w + 2}, checkpointer.load(2)["model"])
+
+
+def test_tiling_check_agrees_with_counting_every_element():
+    """_tiles against a brute-force count, on random guillotine tilings of up to 4-D tensors,
+    some moved, doubled or replaced by random boxes; the sort-and-sweep fallback too."""
+    rng = random.Random(14)
+
+    def split(offset, shape, depth):
+        axis = rng.randrange(len(shape))
+        if depth == 0 or shape[axis] < 2 or rng.random() < 0.3:
+            return [(offset, shape)]
+        cut = rng.randrange(1, shape[axis])
+        low = (*shape[:axis], cut, *shape[axis + 1 :])
+        high_offset = (*offset[:axis], offset[axis] + cut, *offset[axis + 1 :])
+        high = (*shape[:axis], shape[axis] - cut, *shape[axis + 1 :])
+        return split(offset, low, depth - 1) + split(high_offset, high, depth - 1)
+
+    outcomes = set()
+    for case in range(600):
+        rank = rng.randint(1, 4)
+        shape = tuple(rng.randint(1, 5) for _ in range(rank))
+        boxes = split((0,) * rank, shape, 6)
+        if case % 3 == 1:
+            boxes[rng.randrange(len(boxes))] = boxes[rng.randrange(len(boxes))]
+        elif case % 3 == 2:
+            offset = tuple(rng.randrange(d) for d in shape)
+            boxes[rng.randrange(len(boxes))] = (
+                offset,
+                tuple(rng.randint(1, d - o) for o, d in zip(offset, shape, strict=True)),
+            )
+        count = torch.zeros(shape, dtype=torch.int64)
+        for offset, size in boxes:
+            count[tuple(slice(o, o + s) for o, s in zip(offset, size, strict=True))] += 1
+        exact = bool((count == 1).all())
+        chunks = [ChunkRecord("f", 0, 0, offset, size) for offset, size in boxes]
+        assert manifest_module._tiles(shape, chunks) is exact, (shape, boxes)
+        if int(count.sum()) == math.prod(shape):  # the fallback relies on the element count
+            ends = [(offset, tuple(o + s for o, s in zip(offset, size, strict=True))) for offset, size in boxes]
+            assert manifest_module._disjoint(ends) is exact, (shape, boxes)
+        outcomes.add(exact)
+    assert outcomes == {True, False}
+
+
+def test_chunks_sharing_bytes_are_corrupt(two):
+    checkpointer, path, states = two
+    body = read_manifest_json(path)
+    tensors = body["components"]["model"]["tensors"]
+    tensors["w"] = chunked(tensors["w"], [((0, 0), (2, 6)), ((2, 0), (2, 6))])
+    tensors["w"]["chunks"][1]["offsets"] = tensors["w"]["chunks"][0]["offsets"]  # rows 2-3 read rows 0-1's bytes
+    write_signed_manifest(path, body)
+    with pytest.raises(CorruptCheckpointError, match=r"claimed twice \(by model\.w\)"):
+        checkpointer.load(1)
+    assert_neighbour_loads(checkpointer, states)
+
+
+def test_tensors_sharing_bytes_are_corrupt(two):
+    checkpointer, path, states = two
+    body = read_manifest_json(path)
+    tensors = body["components"]["model"]["tensors"]
+    start = tensors["w"]["offsets"][0]
+    tensors["b"]["offsets"] = [start + 4, start + 16]  # b claims three floats of w
+    write_signed_manifest(path, body)
+    with pytest.raises(CorruptCheckpointError, match=r"of 'model-00001-of-00001\.safetensors' are claimed twice") as e:
+        checkpointer.load(1)
+    assert "model.w" in str(e.value) and "model.b" in str(e.value)
+    assert_neighbour_loads(checkpointer, states)
+
+
+@pytest.mark.parametrize(
+    ("tied", "message"),
+    [
+        ([["b", "w"]], r"component 'model': tied key 'w' is stored as well as 'b'"),
+        ([["pos", "w2"]], r"component 'model': tied group \['pos', 'w2'\] does not store its first key 'pos'"),
+        ([["w", "x"], ["b", "x"]], r"component 'model': key 'x' is in more than one tied group"),
+        ([["w", "x", "x"]], r"component 'model': key 'x' is in more than one tied group"),
+    ],
+    ids=["both-stored", "key-of-another-component", "in-two-groups", "twice-in-one"],
+)
+def test_tied_groups_a_load_would_resolve_wrongly(two, tied, message):
+    checkpointer, path, states = two
+    body = read_manifest_json(path)
+    body["components"]["model"]["tied"] = tied
+    write_signed_manifest(path, body)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        checkpointer.load(1)
+    assert_neighbour_loads(checkpointer, states)
+
+
+def test_a_valid_tied_group_still_resolves(two):
+    checkpointer, path, states = two
+    body = read_manifest_json(path)
+    body["components"]["model"]["tied"] = [["w", "head"]]
+    write_signed_manifest(path, body)
+    loaded = checkpointer.load(1, keys=["model.head", "model.b"])["model"]
+    assert_same({"head": states[1]["model"]["w"], "b": states[1]["model"]["b"]}, loaded)
+
+
+def test_tied_bin_component_storing_both_keys(tmp_path):
+    state = {"w": torch.arange(6, dtype=torch.float32), "b": torch.ones(2)}
+    for name in ("crafted", "neighbour"):
+        ckptd.save_checkpoint(str(tmp_path / name), state, safetensors=False)
+    crafted = str(tmp_path / "crafted")
+    body = read_manifest_json(crafted)
+    assert body["components"]["model"]["kind"] == "torch_bin"
+    body["components"]["model"]["tied"] = [["b", "w"]]
+    write_signed_manifest(crafted, body)
+    with pytest.raises(
+        CorruptCheckpointError, match=r"component 'model' \(index pytorch_model\.bin\.index\.json\): tied key 'w'"
+    ):
+        ckptd.load_checkpoint(crafted)
+    assert_same(state, ckptd.load_checkpoint(str(tmp_path / "neighbour")))
+
+
+@pytest.mark.parametrize("stored", ["whole", "chunks"])
+def test_empty_tensor_whose_strides_overflow(two, stored):
+    """[0, 2**62, 2**62] holds nothing, but torch cannot compute its strides ("Stride calculation
+    overflowed"): refused at parse for every way of loading."""
+    checkpointer, path, states = two
+    body = read_manifest_json(path)
+    tensors = body["components"]["model"]["tensors"]
+    w = tensors["w"]
+    w["shape"] = [0, 2**62, 2**62]
+    w["offsets"] = [w["offsets"][0], w["offsets"][0]]
+    if stored == "chunks":
+        tensors["w"] = chunked(w, [((0, 0, 0), (0, 2**62, 2**62)), ((0, 0, 0), (0, 1, 1))])
+    write_signed_manifest(path, body)
+    loads = {
+        "fresh": lambda: checkpointer.load(1),
+        "keys": lambda: checkpointer.load(1, keys=["model.w"]),
+        "into": lambda: checkpointer.load(1, into={"model": Pair()}),
+        "assign": lambda: checkpointer.load(1, into={"model": Pair()}, assign=True),
+        "load_checkpoint": lambda: ckptd.load_checkpoint(path),
+    }
+    for name, load in loads.items():
+        with pytest.raises(CorruptCheckpointError, match=r"tensor model\.w: shape \[0, 4611686018427387904, "):
+            load()
+            pytest.fail(f"{name} loaded")
+    assert_neighbour_loads(checkpointer, states)
+
+
+def test_reshaped_tensor_assigned_into_a_module(two):
+    """w stored as [6, 4] (same bytes): assign=True used to reach torch's load_state_dict and its
+    RuntimeError; now it is the size mismatch the in-place path reports."""
+    checkpointer, path, states = two
+    body = read_manifest_json(path)
+    body["components"]["model"]["tensors"]["w"]["shape"] = [6, 4]
+    write_signed_manifest(path, body)
+    for assign in (False, True):
+        with pytest.raises(KeyMismatchError, match=r"size mismatch for 'w'.* \(6, 4\)"):
+            checkpointer.load(1, into={"model": Pair()}, assign=assign)
+    module = Pair()
+    checkpointer.load(2, into={"model": module}, assign=True)
+    assert_same(states[2]["model"], {k: v.detach() for k, v in module.state_dict().items()})
+
+
+def test_param_sharing_that_ties_a_key_to_two_tensors(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    state = {"a": torch.ones(2), "b": torch.zeros(2)}
+    safetensors_torch.save_file(state, str(tmp_path / "model-00001-of-00001.safetensors"))
+    weight_map = {"a": "model-00001-of-00001.safetensors", "b": "model-00001-of-00001.safetensors"}
+
+    def index(sharing):
+        index = {"metadata": {"param_sharing": sharing}, "weight_map": weight_map}
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    index([["a", "x"], ["b", "x"]])
+    with pytest.raises(CorruptCheckpointError, match=r"param_sharing ties 'x' to both 'a' and 'b'"):
+        ckptd.load_checkpoint(str(tmp_path))
+    index([["a", "b", "x"]])  # explicit metadata naming two stored tensors: each keeps its own bytes
+    assert_same({**state, "x": state["a"]}, ckptd.load_checkpoint(str(tmp_path)))
+    single = tmp_path / "single" / "model.safetensors"
+    single.parent.mkdir()
+    safetensors_torch.save_file(state, str(single), metadata={"param_sharing": json.dumps([["a", "x"], ["b", "x"]])})
+    with pytest.raises(CorruptCheckpointError, match=r"model\.safetensors: param_sharing ties 'x' to both"):
+        ckptd.load_checkpoint(str(single.parent))
+
+
+def test_a_100000_tensor_manifest_still_parses():
+    """The common case (one whole chunk per tensor) beside a few many-chunk tensors; the parse
+    time is measured by hand (median of 5), never asserted here."""
+    files = {f"model-{i:05d}-of-00004.safetensors": FileRecord(2**40, "00000000") for i in range(1, 5)}
+    names = sorted(files)
+    ends = dict.fromkeys(names, 0)
+    tensors = {}
+    for i in range(100_000):
+        name = names[i % 4]
+        tensors[f"layers.{i}.weight"] = TensorRecord.whole("BF16", (16, 8), name, ends[name], ends[name] + 256)
+        ends[name] += 256
+    for j in range(4):
+        chunks = []
+        for rank in range(1024):  # a 32 x 32 grid, one chunk per rank
+            name = names[rank % 4]
+            chunks.append(ChunkRecord(name, ends[name], ends[name] + 32, (rank // 32 * 4, rank % 32 * 4), (4, 4)))
+            ends[name] += 32
+        tensors[f"sharded.{j}"] = TensorRecord("BF16", (128, 128), tuple(chunks))
+    component = ComponentRecord("safetensors", tensors, None, [["layers.0.weight", "lm_head.weight"]])
+    manifest = Manifest(1, "2024-01-01T00:00:00Z", 1, "test", {"model": component}, files)
+    parsed = Manifest.from_json(manifest.to_json(), "big")
+    assert len(parsed.components["model"].tensors) == 100_004
+    assert parsed.components["model"].tensors["sharded.3"] == tensors["sharded.3"]

@@ -43,6 +43,7 @@ class _Zygote:
         env["PYTHONPATH"] = os.pathsep.join([_HOOK, HERE, _REPO, env.get("PYTHONPATH", "")])
         env.pop("CKPTD_TEST_KILL", None)
         env.pop("CKPTD_TEST_RECORD", None)
+        env.pop("CKPTD_TEST_FAIL", None)
         self.process = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "zygote.py")],
             env=env,
@@ -87,10 +88,12 @@ def run(
     *,
     kill: str | None = None,
     record: str | None = None,
+    fail: str | None = None,
     timeout: float = 90,
 ) -> None:
     """Run ``scenario.main(action, args)`` in a fresh process under the OS-call hook; with
-    ``kill`` the run must die there (SIGKILL), without it the run must succeed."""
+    ``kill`` the run must die there (SIGKILL), without it the run must succeed.  ``fail``
+    (``op|regex|errno``) makes those calls fail instead (``CKPTD_TEST_FAIL``)."""
     if not _zygote:
         _zygote.append(_Zygote())
     with tempfile.NamedTemporaryFile(prefix="ckptd-scenario-", suffix=".err", delete=False) as f:
@@ -102,6 +105,7 @@ def run(
                 "args": dict(args),
                 "CKPTD_TEST_KILL": kill,
                 "CKPTD_TEST_RECORD": record,
+                "CKPTD_TEST_FAIL": fail,
                 "stderr": errors,
             },
             timeout,

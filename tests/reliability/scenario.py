@@ -21,6 +21,7 @@ def state_for(step: int, variant: int = 0) -> dict[str, Any]:
     base = float(step * 10 + variant)
     return {
         "model": {
+            "frozen": torch.arange(1024, dtype=torch.float32),  # the same at every step (incremental)
             "w": torch.full((32, 32), base),
             "b": torch.arange(48, dtype=torch.float32) + base,
             "h": torch.full((16,), int(base), dtype=torch.int64),
@@ -31,7 +32,8 @@ def state_for(step: int, variant: int = 0) -> dict[str, Any]:
 
 def main(action: str, args: dict[str, Any]) -> None:
     import ckptd
-    from ckptd.catalog import apply_retention, collect_garbage
+    from ckptd.garbage import collect_garbage
+    from ckptd.retention import apply_retention
     from ckptd.storage.local import LocalStorage
 
     if args.get("no_exchange"):
@@ -42,11 +44,14 @@ def main(action: str, args: dict[str, Any]) -> None:
         with ckptd.Checkpointer(
             args["root"],
             keep_last=args.get("keep_last"),
+            incremental=bool(args.get("incremental")),
             max_shard_size="4KB",
             storage_options=args.get("storage_options") or {},
         ) as ckpt:
             for step in args["steps"]:
-                ckpt.save(step, state_for(step, args.get("variant", 0)), overwrite=args.get("overwrite", False))
+                state = state_for(step, args.get("variant", 0))
+                frozen = {"model": ["frozen"]} if args.get("incremental") else None
+                ckpt.save(step, state, overwrite=args.get("overwrite", False), frozen=frozen)
     elif action == "retention":
         apply_retention(LocalStorage(), args["root"], args["keep_last"])
     elif action == "gc":

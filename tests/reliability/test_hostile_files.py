@@ -33,8 +33,9 @@ from conftest import assert_same
 import ckptd
 from ckptd import cli
 from ckptd.catalog import list_checkpoints
-from ckptd.errors import CkptdError
+from ckptd.errors import AllocationError, CkptdError, CorruptCheckpointError, KeyMismatchError
 from ckptd.formats.checksum import crc32c, format_crc
+from ckptd.load import fetch
 from ckptd.load.reader import CheckpointReader
 from ckptd.storage import LocalStorage
 
@@ -51,7 +52,14 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
         return
     path = os.fsdecode(args[0])
     if not os.path.isabs(path):
-        return  # relative opens (none on the load path) cannot be resolved reliably here
+        return  # relative to a directory descriptor: resolved by _open_relative below
+    _check(path)
+
+
+def _check(path: str) -> None:
+    root = _watch["root"]
+    if root is None:
+        return
     real = os.path.realpath(path)
     inside = real == root or real.startswith(root + os.sep)
     # Imports open library files anywhere; what matters is the test area around the case (the
@@ -62,6 +70,16 @@ def _audit(event: str, args: tuple[Any, ...]) -> None:
 
 
 sys.addaudithook(_audit)
+_os_open = os.open
+
+
+def _open_relative(path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+    """``os.open``, checking what a name relative to a directory descriptor resolves to (the load
+    path opens every file of a checkpoint relative to the directory it pinned; the audit event
+    does not carry the descriptor)."""
+    if dir_fd is not None and _watch["root"] is not None and not os.path.isabs(os.fsdecode(path)):
+        _check(os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), os.fsdecode(path)))
+    return _os_open(path, flags, mode, dir_fd=dir_fd)
 
 
 @contextlib.contextmanager
@@ -69,9 +87,11 @@ def watching(root: str, area: str) -> Iterator[list[str]]:
     """Record every file opened in ``area`` (or /etc, /dev, /proc) outside ``root`` while the
     block runs."""
     _watch["root"], _watch["area"], _watch["outside"] = os.path.realpath(root), os.path.realpath(area), []
+    os.open = _open_relative
     try:
         yield _watch["outside"]
     finally:
+        os.open = _os_open
         _watch["root"] = None
 
 
@@ -362,3 +382,227 @@ def test_the_mutator_is_deterministic_and_mutates(golden: dict[str, Any], tmp_pa
         with open(copy, "rb") as f:
             outputs.append(f.read())
     assert outputs[0] == outputs[1] != original
+
+
+def test_the_watcher_sees_opens_outside_the_checkpoint_absolute_and_relative(tmp_path: Any) -> None:
+    """The audit is not blind: loads open files relative to the checkpoint's directory handle."""
+    root, area = tmp_path / "area" / "checkpoint", tmp_path / "area"
+    root.mkdir(parents=True)
+    (area / "secret").write_bytes(b"x")
+    (root / "inside").write_bytes(b"y")
+    with watching(str(root), str(area)) as outside:
+        directory = os.open(str(area), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.close(os.open("secret", os.O_RDONLY, dir_fd=directory))
+        finally:
+            os.close(directory)
+        with open(area / "secret", "rb"):
+            pass
+        inner = os.open(str(root), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.close(os.open("inside", os.O_RDONLY, dir_fd=inner))
+        finally:
+            os.close(inner)
+    assert outside == [str((area / "secret").resolve())] * 2
+
+
+# ---- adversarial pass, item 11: sizes no load can allocate -------------------------------------
+#
+# A file that claims a 4 TiB tensor costs nothing to make (a sparse file of that size, or a
+# .bin whose pickle expands one float).  Loading it used to raise the allocator's RuntimeError,
+# or torch's "Stride calculation overflowed" for a shape that holds nothing.
+
+HUGE = 2**40  # float32 elements: 4 TiB, more than any test machine's RAM and swap
+
+
+def _sparse(path: str, size: int) -> None:
+    """Extend ``path`` to ``size`` bytes without writing them (skip where the file system can't)."""
+    try:
+        os.truncate(path, size)
+    except OSError as e:
+        pytest.skip(f"no {size}-byte sparse files here: {e}")
+
+
+def _safetensors_file(path: str, entries: dict[str, tuple[str, list[int], int]]) -> None:
+    """A safetensors file whose header lists ``{key: (dtype, shape, nbytes)}`` back to back,
+    extended (sparsely) to the size the header needs."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    start = 0
+    for key, (dtype, shape, nbytes) in entries.items():
+        header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [start, start + nbytes]}
+        start += nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+    _sparse(path, 8 + len(text) + start)
+
+
+def _hf_checkpoints(base: Any, entries: dict[str, tuple[str, list[int], int]]) -> dict[str, str]:
+    """The same crafted tensors as an HF sharded checkpoint and as a single model.safetensors."""
+    sharded, single = base / "sharded", base / "single"
+    sharded.mkdir()
+    single.mkdir()
+    shard = "model-00001-of-00001.safetensors"
+    _safetensors_file(str(sharded / shard), entries)
+    index = {"metadata": {}, "weight_map": dict.fromkeys(entries, shard)}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    _safetensors_file(str(single / "model.safetensors"), entries)
+    return {"sharded": str(sharded), "single": str(single)}
+
+
+def _neighbour(base: Any) -> tuple[str, dict[str, torch.Tensor]]:
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    state = {"w": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, dtype=torch.bfloat16)}
+    (base / "neighbour").mkdir()
+    safetensors_torch.save_file(state, str(base / "neighbour" / "model.safetensors"), metadata={"format": "pt"})
+    return str(base / "neighbour"), state
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4, 6))
+
+
+def test_ckptd_manifest_of_a_4tib_tensor_in_a_sparse_shard(checkpointer):
+    """A valid-looking checkpoint (manifest, sizes, checksum all agree) whose shard is a sparse
+    4 TiB file: every load that would allocate it fails before allocating, naming it."""
+    state = {"model": {"w": torch.arange(24, dtype=torch.float32).reshape(4, 6), "b": torch.ones(3)}}
+    for step in (1, 2):
+        checkpointer.save(step, state)
+    path = checkpointer.path_for(1)
+    with open(os.path.join(path, MANIFEST)) as f:
+        body = json.load(f)
+    shard = body["components"]["model"]["tensors"]["w"]["file"]
+    size = body["files"][shard]["size"]
+    body["components"]["model"]["tensors"]["w"] = {
+        "dtype": "F32",
+        "shape": [HUGE],
+        "file": shard,
+        "offsets": [size, size + 4 * HUGE],
+    }
+    body["files"][shard]["size"] = size + 4 * HUGE
+    _sparse(os.path.join(path, shard), size + 4 * HUGE)
+    body.pop("checksum")
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    body["checksum"] = format_crc(crc32c(canonical))
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(body, f)
+    message = rf"tensor 'w' \({shard}\): loading needs {4 * HUGE} bytes of new memory, more than this machine has"
+    for load in (
+        lambda: checkpointer.load(1),
+        lambda: checkpointer.load(1, keys=["model.w"]),
+        lambda: checkpointer.load(1, into={"model": _Holder()}, strict=False, assign=True),
+        lambda: ckptd.load_checkpoint(path),
+        lambda: CheckpointReader.open(path).read("model", ["w"]),
+    ):
+        with pytest.raises(AllocationError, match=message):
+            load()
+    with pytest.raises(KeyMismatchError, match=r"size mismatch for 'w'"):  # in place: nothing to allocate
+        checkpointer.load(1, into={"model": _Holder()}, strict=False)
+    assert_same({"b": state["model"]["b"]}, checkpointer.load(1, keys=["model.b"])["model"])  # the rest loads
+    assert_same(state["model"], checkpointer.load(2)["model"])
+
+
+@pytest.mark.parametrize("layout", ["sharded", "single"])
+def test_hf_header_of_a_4tib_tensor_in_a_sparse_file(tmp_path, layout):
+    paths = _hf_checkpoints(tmp_path, {"w": ("F32", [HUGE], 4 * HUGE), "b": ("BF16", [2], 4)})
+    shard = "model-00001-of-00001.safetensors" if layout == "sharded" else "model.safetensors"
+    message = rf"tensor 'w' \({shard}\): loading needs {4 * HUGE} bytes"
+    with pytest.raises(AllocationError, match=message):
+        ckptd.load_checkpoint(paths[layout])
+    with pytest.raises(AllocationError, match=message):
+        ckptd.load_checkpoint(paths[layout], keys={"w"})
+    with pytest.raises(AllocationError, match=message):
+        ckptd.load_checkpoint(paths[layout], _Holder(), strict=False, assign=True)
+    assert ckptd.load_checkpoint(paths[layout], keys={"b"})["b"].shape == (2,)  # the rest still loads
+    neighbour, state = _neighbour(tmp_path)
+    assert_same(state, ckptd.load_checkpoint(neighbour))
+
+
+@pytest.mark.parametrize("layout", ["sharded", "single"])
+def test_hf_header_of_an_empty_tensor_whose_strides_overflow(tmp_path, layout):
+    paths = _hf_checkpoints(tmp_path, {"w": ("F32", [0, 2**62, 2**62], 0), "b": ("BF16", [2], 4)})
+    shard = "model-00001-of-00001.safetensors" if layout == "sharded" else "model.safetensors"
+    message = rf"shape \[0, {2**62}, {2**62}\] is beyond any tensor .*for tensor 'w' in .*{shard}"
+    with pytest.raises(CorruptCheckpointError, match=message):
+        ckptd.load_checkpoint(paths[layout], keys={"w"})
+    with pytest.raises(CorruptCheckpointError, match=message):
+        ckptd.load_checkpoint(paths[layout], _Holder(), strict=False)
+    neighbour, state = _neighbour(tmp_path)
+    assert_same(state, ckptd.load_checkpoint(neighbour))
+
+
+def test_bin_shard_that_expands_one_float_to_4tib(tmp_path):
+    """A .bin pickle may hold a stride-0 view: 4 bytes on disk, 4 TiB once copied."""
+    (tmp_path / "bin").mkdir()
+    torch.save({"w": torch.zeros(1).expand(HUGE), "b": torch.ones(2)}, str(tmp_path / "bin" / "pytorch_model.bin"))
+    message = r"tensor 'w' \(pytorch_model\.bin\): loading needs 4398046511104 bytes"
+    with pytest.raises(AllocationError, match=message):
+        ckptd.load_checkpoint(str(tmp_path / "bin"))
+    with pytest.raises(AllocationError, match=message):
+        ckptd.load_checkpoint(str(tmp_path / "bin"), keys={"w"})
+    assert_same({"b": torch.ones(2)}, ckptd.load_checkpoint(str(tmp_path / "bin"), keys={"b"}))
+    neighbour, state = _neighbour(tmp_path)
+    assert_same(state, ckptd.load_checkpoint(neighbour))
+
+
+def test_allocator_refusal_is_an_allocation_error(tmp_path, monkeypatch):
+    """Without the check against RAM and swap, the allocator itself refuses 4 TiB (unless the
+    kernel overcommits without limit: then it would hand the memory out and the read would
+    fill it, so the case is skipped)."""
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            overcommit = f.read().strip()
+    except OSError:
+        overcommit = "unknown"
+    if overcommit not in ("0", "2"):
+        pytest.skip(f"vm.overcommit_memory is {overcommit}: a 4 TiB allocation might succeed")
+    monkeypatch.setattr(fetch, "_memory_bytes", lambda: None)
+    paths = _hf_checkpoints(tmp_path, {"w": ("F32", [HUGE], 4 * HUGE)})
+    with pytest.raises(AllocationError, match=rf"tensor 'w' \(model\.safetensors\): cannot allocate {4 * HUGE} bytes"):
+        ckptd.load_checkpoint(paths["single"])
+
+
+def test_tensors_that_fit_alone_but_not_together(tmp_path, monkeypatch):
+    """Each tensor fits this (pretend 1 MB) machine, both do not: refused before either is
+    allocated; each one alone still loads."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    state = {"a": torch.randn(150_000), "b": torch.randn(150_000)}  # 600 kB each
+    (tmp_path / "two").mkdir()
+    safetensors_torch.save_file(state, str(tmp_path / "two" / "model.safetensors"))
+    monkeypatch.setattr(fetch, "_memory_bytes", lambda: 1_000_000)
+    with pytest.raises(
+        AllocationError, match=r"two: 2 tensors \(the largest 'a'\): loading needs 1200000 bytes of new"
+    ):
+        ckptd.load_checkpoint(str(tmp_path / "two"))
+    for key in state:
+        assert_same({key: state[key]}, ckptd.load_checkpoint(str(tmp_path / "two"), keys={key}))
+
+
+def test_fresh_tensor_of_a_shape_torch_cannot_describe():
+    """What every loader allocates through (DCP's reader too, where it can): a ckptd error,
+    never torch's "Stride calculation overflowed"."""
+    with pytest.raises(CorruptCheckpointError, match=r"ckpt: tensor 'w': shape \[0, 4611686018427387904, 4\]"):
+        fetch.empty_tensor((0, 2**62, 4), torch.float32, "ckpt: tensor 'w'")
+    assert fetch.empty_tensor((0, 2**30, 2**30), torch.float32, "ckpt: tensor 'w'").stride() == (2**60, 2**30, 1)
+
+
+def test_dcp_metadata_of_a_4tib_tensor(dcp_checkpoint):
+    """A DCP ``.metadata`` (only DCP's own classes: the restricted unpickler admits it) whose
+    tensor claims 4 TiB: refused before torch allocates, as ckptd's error."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    _, _, source = dcp_checkpoint
+    path = os.path.join(source, ".metadata")
+    with open(path, "rb") as f:
+        metadata = pickle.load(f)  # the test's own file, written by torch just now
+    entry = next(v for v in metadata.state_dict_metadata.values() if isinstance(v, TensorStorageMetadata))
+    entry.size = torch.Size([HUGE])
+    with open(path, "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(AllocationError, match=r"DCP tensor"):
+        ckptd.load_checkpoint(source)

@@ -90,6 +90,7 @@ POINTS = [
         {3: {0}},
         BOTH,
     ),
+    # Retention deletes newest first (2, then 1): a kill while 2 is half-deleted leaves 1 whole.
     Point(
         "retention/mid-delete",
         (1, 2, 3),
@@ -97,10 +98,10 @@ POINTS = [
         {"keep_last": 1},
         r"unlink|\.deleting-|3|before",
         {3: {0}},
-        {2: {0}},
+        {1: {0}},
     ),
     Point(
-        "retention/rmdir", (1, 2, 3), "retention", {"keep_last": 1}, r"rmdir|\.deleting-|1|before", {3: {0}}, {2: {0}}
+        "retention/rmdir", (1, 2, 3), "retention", {"keep_last": 1}, r"rmdir|\.deleting-|1|before", {3: {0}}, {1: {0}}
     ),
     Point(
         "retention/in-save",

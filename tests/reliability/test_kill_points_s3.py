@@ -15,7 +15,8 @@ from crashsim import run, stop_zygote
 from scenario import state_for
 
 import ckptd
-from ckptd.catalog import collect_garbage, read_manifest
+from ckptd.catalog import read_manifest
+from ckptd.garbage import collect_garbage
 from ckptd.load.reader import CheckpointReader
 from ckptd.storage import storage_for
 

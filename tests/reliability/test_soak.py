@@ -33,7 +33,7 @@ import torch
 from conftest import assert_same, clone_state, wait_for
 
 import ckptd
-from ckptd.catalog import collect_garbage
+from ckptd.garbage import collect_garbage
 
 pytestmark = pytest.mark.slow
 

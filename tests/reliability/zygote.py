@@ -31,7 +31,7 @@ def _child(request: dict) -> None:
     os.dup2(fd, 1)  # stdout is the reply pipe: nothing of the child's may reach it
     os.dup2(fd, 2)
     os.close(fd)
-    for name in ("CKPTD_TEST_KILL", "CKPTD_TEST_RECORD"):
+    for name in ("CKPTD_TEST_KILL", "CKPTD_TEST_RECORD", "CKPTD_TEST_FAIL"):
         os.environ.pop(name, None)
         if request.get(name):
             os.environ[name] = request[name]

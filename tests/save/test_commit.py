@@ -15,9 +15,12 @@ from conftest import assert_same
 
 import ckptd
 import ckptd.storage.local as local
-from ckptd.catalog import collect_garbage, leftover_name, list_checkpoints, remove_checkpoint
+import ckptd.storage.rename as rename
+from ckptd.catalog import leftover_name, list_checkpoints, remove_checkpoint
 from ckptd.errors import CheckpointExistsError
 from ckptd.formats.names import host_label as _host
+from ckptd.garbage import collect_garbage
+from ckptd.storage.liveness import hold_new_directory
 from ckptd.storage.local import LocalStorage, exchange_paths
 
 
@@ -56,7 +59,7 @@ def test_exchange_paths_swaps_two_directories(tmp_path: Any) -> None:
 
 def test_exchange_paths_of_a_missing_path_is_a_storage_error(tmp_path: Any) -> None:
     (tmp_path / "a").mkdir()
-    if local._load_renameat2() is None:
+    if rename._load_renameat2() is None:
         pytest.skip("no renameat2 on this platform")
     with pytest.raises(ckptd.errors.StorageError, match="missing"):
         exchange_paths(str(tmp_path / "a"), str(tmp_path / "missing"))
@@ -147,7 +150,7 @@ def test_gc_removes_every_leftover_kind_but_not_a_live_owners(root: str) -> None
         ckpt.save(1, _state(1.0))
     dead = _dead_pid()
     kept = os.path.join(root, leftover_name("checkpoint-2", "tmp"))  # this process: alive
-    os.mkdir(kept)
+    held = hold_new_directory(kept, os.mkdir)  # a live save's staging directory: locked
     leftovers = [
         f".checkpoint-1.replaced-{_host()}-{dead}-0000000a",  # checkpoint-1 exists: old copy
         f".checkpoint-1.deleting-{_host()}-{dead}-0000000b",  # half-deleted
@@ -166,3 +169,4 @@ def test_gc_removes_every_leftover_kind_but_not_a_live_owners(root: str) -> None
     collect_garbage(storage, root, older_than=60)
     assert _hidden(root) == sorted([os.path.basename(kept), leftovers[2]])
     assert [info.step for info in list_checkpoints(storage, root)] == [1]
+    held.release()

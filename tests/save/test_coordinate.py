@@ -14,7 +14,8 @@ from conftest import assert_same
 import ckptd
 from ckptd.catalog import read_manifest
 from ckptd.dist.group import DistContext
-from ckptd.errors import CheckpointExistsError, DistributedSaveError, ReferencedCheckpointError
+from ckptd.errors import CheckpointExistsError, DistributedSaveError
+from ckptd.retention import RunRecord
 from ckptd.save.coordinate import Outcome, Report, Round, SoloCoordinator, StoreCoordinator
 from ckptd.save.incremental import IncrementalPolicy, plan_file_frozen
 from ckptd.storage import LocalStorage
@@ -92,15 +93,15 @@ def test_solo_prepare_failure_is_raised_from_wait_and_leaves_the_old_checkpoint(
         assert_same(state["model"], ckpt.load(1)["model"])
 
 
-def test_solo_refuses_to_overwrite_a_referenced_checkpoint_and_writes_nothing(root):
+def test_solo_overwrites_a_checkpoint_a_later_one_linked_from_and_both_stay_whole(root):
     model = Frozen()
     with ckptd.Checkpointer(root, incremental=True) as ckpt:
         ckpt.save(1, {"model": model})
-        ckpt.save(2, {"model": model})
-        with pytest.raises(ReferencedCheckpointError, match="checkpoint-2"):
-            ckpt.save(1, {"model": model}, overwrite=True)
+        assert ckpt.save(2, {"model": model}).bytes_linked > 0
+        replacement = {"w": torch.arange(6, dtype=torch.float32)}
+        ckpt.save(1, {"model": replacement}, overwrite=True)
         assert not [n for n in os.listdir(root) if n.startswith(".")], "no staging directory left behind"
-        assert_same(model.state_dict(), ckpt.load(1, verify=True)["model"])
+        assert_same(replacement, ckpt.load(1, verify=True)["model"])
         assert_same(model.state_dict(), ckpt.load(2, verify=True)["model"])
 
 
@@ -237,7 +238,7 @@ def saved_twice(root: str, mode: bool | str) -> tuple[IncrementalPolicy, object,
         ckpt.save(2, {"model": model})
         plan = ckpt._saver._plan
         first, second = ckpt.path_for(1), ckpt.path_for(2)
-    policy = IncrementalPolicy(LocalStorage(), root, mode)
+    policy = IncrementalPolicy(LocalStorage(), root, mode, RunRecord())
     policy.committed(first, None)
     return policy, plan, first, second
 
@@ -248,10 +249,13 @@ def test_policy_reuses_frozen_files_of_the_agreed_last_save(root):
     assert frozen and all(plan_file_frozen(plan, name) for name in frozen)
     reuse = policy.select(plan, os.path.join(root, "checkpoint-3"), [first, first])
     assert set(reuse.reused) == frozen
-    assert {r.checkpoint for r in reuse.reused.values()} == {"checkpoint-1"}
-    assert reuse.reused == {n: f for n, f in read_manifest(LocalStorage(), second).files.items() if f.checkpoint}
+    assert {r.holder for r in reuse.reused.values()} == {first}
+    assert {n: r.source for n, r in reuse.reused.items()} == {n: os.path.join(first, n) for n in frozen}
+    records = read_manifest(LocalStorage(), second).files
+    assert {n for n, f in records.items() if f.reused == "link"} == frozen
+    assert all((r.size, r.crc32c) == (records[n].size, records[n].crc32c) for n, r in reuse.reused.items())
     assert reuse.hashed == {}, "only hash mode rewrites-unless-unchanged"
-    assert reuse.holders == {"checkpoint-1"}
+    assert reuse.holders == {first}
 
 
 def test_policy_reuses_nothing_without_agreement_or_over_its_own_holder(root):
@@ -262,39 +266,38 @@ def test_policy_reuses_nothing_without_agreement_or_over_its_own_holder(root):
     assert policy.select(plan, first, [first]).reused == {}, "overwriting the checkpoint that holds the files"
 
 
-def test_policy_hash_mode_offers_the_unchanged_layout_of_trainable_files(root):
+def test_policy_hash_mode_offers_the_unchanged_layout_of_trainable_files_with_their_digest(root):
     policy, plan, first, _ = saved_twice(root, "hash")
     reuse = policy.select(plan, os.path.join(root, "checkpoint-3"), [first])
     trainable = {f.file_name for f in plan.files if not f.frozen}
     assert set(reuse.hashed) == trainable and not set(reuse.hashed) & set(reuse.reused)
-    assert reuse.reused, "frozen files are still referenced without a checksum"
+    assert all(r.digest and r.digest.startswith("sha256:") for r in reuse.hashed.values())
+    assert reuse.reused, "frozen files are still taken without a digest comparison"
 
 
 def test_policy_off_reuses_nothing(root):
     _, plan, first, _ = saved_twice(root, True)
-    off = IncrementalPolicy(LocalStorage(), root, False)
+    off = IncrementalPolicy(LocalStorage(), root, False, RunRecord())
     off.committed(first, None)
     assert off.reusable(plan) == {} and off.select(plan, os.path.join(root, "x"), [first]).holders == frozenset()
 
 
-def test_policy_protects_holders_until_every_queued_save_releases_them(root):
+def test_policy_keeps_its_source_in_use_until_every_queued_save_releases_it(root):
     policy, plan, first, _ = saved_twice(root, True)
     target = os.path.join(root, "checkpoint-3")
     one = policy.select(plan, target, [first])
     two = policy.select(plan, target, [first])
-    assert policy.protected() == {first}
+    assert policy.run.in_use() == {first}
     policy.release(one)
-    assert policy.protected() == {first}, "the second queued save still references it"
+    assert policy.run.in_use() == {first}, "the second queued save still links from it"
     policy.release(two)
-    assert policy.protected() == set()
+    assert policy.run.in_use() == set()
 
 
-def test_policy_refuses_to_overwrite_a_referenced_checkpoint(root):
+def test_policy_overwrites_a_checkpoint_others_linked_from(root):
     policy, _, first, second = saved_twice(root, True)
-    with pytest.raises(ReferencedCheckpointError, match="checkpoint-2") as caught:
-        policy.refuse_overwriting_referenced(first)
-    assert "consolidate" in str(caught.value) and isinstance(caught.value, PermissionError)
-    policy.refuse_overwriting_referenced(second)  # nothing references the newest one
+    policy.refuse_overwriting_referenced(first)  # 2 holds its own (linked) files: nothing refers to 1
+    policy.refuse_overwriting_referenced(second)
 
 
 def test_policy_remembers_the_last_commit_and_reads_its_manifest_when_not_given(root):
@@ -303,4 +306,4 @@ def test_policy_remembers_the_last_commit_and_reads_its_manifest_when_not_given(
     policy.committed(second, None)
     assert policy.last_path == second
     reuse = policy.select(plan, os.path.join(root, "checkpoint-3"), [second])
-    assert {r.checkpoint for r in reuse.reused.values()} == {"checkpoint-1"}, "the original holder, not 2"
+    assert {r.holder for r in reuse.reused.values()} == {second}, "the last checkpoint holds its files itself"

@@ -178,3 +178,30 @@ def test_a_state_json_that_is_not_ckptds_does_not_make_a_directory_ours(root, st
             ckpt.save(8, {"model": {"w": torch.zeros(2)}})
     with open(os.path.join(theirs, "state.json")) as f:
         assert f.read() == state_text
+
+
+def test_a_same_step_save_committed_during_the_checks_is_never_replaced_without_overwrite(root, monkeypatch):
+    """Defect 10: save A passed its destination check, was descheduled, and save B of the same
+    step committed meanwhile; A then swapped its directory in and B's checkpoint was gone, both
+    saves reporting success.  Here B commits inside A's last check, exactly in that window."""
+    from ckptd.save import commit
+
+    first = {"w": torch.full((4,), 1.0)}
+    second = {"w": torch.full((4,), 2.0)}
+    real_check = commit.check_destination
+    with ckptd.Checkpointer(root) as a, ckptd.Checkpointer(root) as b:
+        interleaved: list[str] = []
+
+        def check_then_let_b_commit(final_dir: str, **kwargs: object) -> None:
+            real_check(final_dir, **kwargs)  # type: ignore[arg-type]
+            if not interleaved:
+                interleaved.append("B")  # B's own checks (B's commit) pass straight through
+                b.save(5, {"model": second})  # B commits in A's window
+
+        monkeypatch.setattr(commit, "check_destination", check_then_let_b_commit)
+        with pytest.raises(CheckpointExistsError, match="checkpoint-5"):
+            a.save(5, {"model": first})
+        assert interleaved, "B committed between A's checks"
+        monkeypatch.setattr(commit, "check_destination", real_check)
+        assert_same(second, b.load(5, verify=True)["model"])
+        assert _hidden(root) == [], "A's staging directory is removed"

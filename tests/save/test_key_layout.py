@@ -121,18 +121,21 @@ def test_corrupt_spread_shard_is_found_by_verify(root):
         ckpt.load(1, verify=True)
 
 
-def test_incremental_save_over_a_spread_base_reuses_its_files_and_rotation_keeps_it(root):
+def test_incremental_save_over_a_spread_base_links_its_files_into_their_subdirectories(root):
     frozen = {"model": ["layers.[0-3].*"]}
     state = _state()
     with ckptd.Checkpointer(root, key_layout="spread", incremental=True, max_shard_size="2KB", keep_last=1) as ckpt:
-        ckpt.save(1, {"model": state}, frozen=frozen)
+        first = ckpt.save(1, {"model": state}, frozen=frozen)
+        inodes = {
+            name: os.stat(os.path.join(first.path, *name.split("/"))).st_ino for name in _manifest(first.path)["files"]
+        }
         state["layers.5.weight"].add_(1)
         result = ckpt.save(2, {"model": state}, frozen=frozen)
         files = _manifest(result.path)["files"]
-        reused = [name for name, f in files.items() if f.get("checkpoint") == "checkpoint-1"]
-        assert reused and all(_SPREAD.match(name) for name in reused)
-        assert not any(os.path.exists(os.path.join(result.path, *name.split("/"))) for name in reused)
-        assert ckpt.steps() == [1, 2], "step 1 holds files step 2 references"
+        linked = [name for name, f in files.items() if f.get("reused") == "link"]
+        assert linked and all(_SPREAD.match(name) for name in linked)
+        assert all(os.stat(os.path.join(result.path, *name.split("/"))).st_ino == inodes[name] for name in linked)
+        assert ckpt.steps() == [2], "step 2 holds its own files: step 1 goes"
         assert_same(state, ckpt.load(2, verify=True)["model"])
         state["layers.0.weight"].add_(1)
         ckpt.save(3, {"model": state})  # nothing frozen: every file written again
@@ -179,7 +182,7 @@ def test_transformers_from_pretrained_reads_a_spread_checkpoint(root):
 
 
 def test_a_spread_checkpoint_left_aside_by_a_crash_is_recovered_only_when_complete(root):
-    from ckptd.catalog import collect_garbage
+    from ckptd.garbage import collect_garbage
     from ckptd.storage import LocalStorage
 
     state = _state()

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import ckptd
-from ckptd.catalog import ManifestCache, apply_retention, list_checkpoints
+from ckptd.catalog import ManifestCache, list_checkpoints
 from ckptd.formats import manifest as manifest_module
 from ckptd.formats.names import MANIFEST_NAME
+from ckptd.retention import apply_retention
 from ckptd.storage.local import LocalStorage
 
 

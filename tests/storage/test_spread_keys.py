@@ -49,13 +49,15 @@ def test_spread_round_trip_on_s3_with_keys_verify_incremental_and_retention(s3: 
         assert torch.equal(some["model"]["layers.2.weight"], expected["layers.2.weight"])
 
         state["layers.5.weight"].add_(1)
-        result = ckpt.save(2, {"model": state}, frozen=frozen)  # reuses step 1's frozen files
+        result = ckpt.save(2, {"model": state}, frozen=frozen)  # copies step 1's frozen files server-side
         manifest = json.loads(
             s3.client.get_object(Bucket=s3.bucket, Key="run/checkpoint-2/checkpoint_manifest.json")["Body"].read()
         )
-        reused = [n for n, f in manifest["files"].items() if f.get("checkpoint") == "checkpoint-1"]
-        assert reused and all(f"run/checkpoint-1/{n}" in shards for n in reused)
-        assert ckpt.steps() == [1, 2]
+        copied = [n for n, f in manifest["files"].items() if f.get("reused") == "server_copy"]
+        assert copied and all(f"run/checkpoint-1/{n}" in shards for n in copied), "copied into their spread keys"
+        assert all(f"run/checkpoint-2/{n}" in s3.keys("run/checkpoint-2/") for n in copied)
+        assert ckpt.steps() == [2], "step 2 holds its own copies: step 1 goes"
+        assert result.bytes_copied > 0
         assert_same(state, ckpt.load(2, verify=True)["model"])
         assert result.path.endswith("/run/checkpoint-2")
 

@@ -17,7 +17,7 @@ from ckptd.formats.manifest import parse_state_file
 from ckptd.save.arena import StagingArena, StagingPool
 from ckptd.save.plan import LocalTensor, plan_save
 from ckptd.writer.client import InProcessWriter, WriterClient
-from ckptd.writer.protocol import FileSpec
+from ckptd.writer.protocol import FileSpec, WriteOrder
 from ckptd.writer.shm import SharedSegment
 
 
@@ -93,13 +93,13 @@ def test_in_process_writer_refuses_an_unknown_arena_and_a_shared_file_it_cannot_
     writer = InProcessWriter()
     segment = SharedSegment.create(mmap.PAGESIZE)
     try:
-        future = writer.write_files(arena_id=5, directory=str(tmp_path), files=[])
+        future = writer.write_files(WriteOrder(arena_id=5, directory=str(tmp_path), files=[]))
         with pytest.raises(WriterError, match="staging arena 5, which is not attached"):
             future.result(30)
 
         writer.attach_arena(1, segment)
         spec = FileSpec("part.bin", 0, 8, file_offset=16, whole_file=False)
-        future = writer.write_files(arena_id=1, directory="memory://ckptd-test-errors", files=[spec])
+        future = writer.write_files(WriteOrder(arena_id=1, directory="memory://ckptd-test-errors", files=[spec]))
         # The storage contract: a backend without write_at refuses a shared file by name.
         with pytest.raises(ConfigError, match=r"part\.bin: .* cannot write one file from several ranks"):
             future.result(30)
@@ -112,7 +112,7 @@ def test_in_process_writer_refuses_an_unknown_arena_and_a_shared_file_it_cannot_
 def test_writer_process_refuses_an_unknown_arena(tmp_path):
     client = WriterClient()
     try:
-        future = client.write_files(arena_id=42, directory=str(tmp_path), files=[])
+        future = client.write_files(WriteOrder(arena_id=42, directory=str(tmp_path), files=[]))
         with pytest.raises(WriterError, match="staging arena 42, which is not attached to the writer"):
             future.result(60)
         assert client.ping().busy is False  # the writer lives on

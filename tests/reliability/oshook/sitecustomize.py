@@ -1,8 +1,8 @@
 """Loaded by every Python process of a reliability test (this folder is put first on PYTHONPATH).
 
-It wraps the OS calls a save makes (rename, unlink, rmdir, mkdir, fsync, write, and ``os.open``
-with ``O_CREAT``, logged as ``create``) and, driven by
-two environment variables that only the tests set, either
+It wraps the OS calls a save makes (rename, link, unlink, rmdir, mkdir, fsync, write, and
+``os.open`` with ``O_CREAT``, logged as ``create``) and, driven by environment variables that
+only the tests set, either
 
 * ``CKPTD_TEST_RECORD=<file>``: appends ``<pid> <thread> <op> <path> [<path2>]`` for every call (fd
   calls are named by the file the fd refers to), or
@@ -13,6 +13,10 @@ two environment variables that only the tests set, either
   test to inspect and then kill or continue).  ``op`` ``http`` matches the request line of an HTTP request sent
   on a socket (``PUT /bucket/run/checkpoint-2/checkpoint_manifest.json HTTP/1.1``): the
   object-store kill points.
+
+and, independently, ``CKPTD_TEST_FAIL=<op>|<regex>|<errno>`` fails every ``op`` call on a path
+matching ``regex`` with that errno, without making it (a filesystem that refuses hard links:
+``link|.|18`` is EXDEV everywhere).
 
 The library has no test hooks: crashes happen at the system-call boundary, as a power cut or
 ``kill -9`` would strike.
@@ -28,11 +32,12 @@ import threading
 
 _original = {
     name: getattr(os, name)
-    for name in ("rename", "replace", "unlink", "rmdir", "mkdir", "fsync", "fdatasync", "write", "pwrite")
+    for name in ("rename", "replace", "link", "unlink", "rmdir", "mkdir", "fsync", "fdatasync", "write", "pwrite")
 }
 _OP_OF = {
     "rename": "rename",
     "replace": "rename",
+    "link": "link",
     "unlink": "unlink",
     "rmdir": "rmdir",
     "mkdir": "mkdir",
@@ -60,6 +65,7 @@ def _arg_path(value: object, dir_fd: int | None) -> str:
 
 
 _state: dict[str, object] = {"op": "", "when": "", "whom": "group", "regex": re.compile("$^"), "left": 0, "log": -1}
+_failing: dict[str, object] = {"op": "", "regex": re.compile("$^"), "errno": 0}
 
 
 def configure() -> None:
@@ -67,6 +73,10 @@ def configure() -> None:
     set: run at start-up, and by a process forked from a pre-loaded one (see ``zygote.py``)."""
     kill = os.environ.get("CKPTD_TEST_KILL")
     record = os.environ.get("CKPTD_TEST_RECORD")
+    fail = os.environ.get("CKPTD_TEST_FAIL")
+    if fail:
+        op, pattern, code = fail.split("|")
+        _failing.update(op=op, regex=re.compile(pattern), errno=int(code))
     if kill:
         op, pattern, count, when, *whom = kill.split("|")
         if whom and whom[0] not in ("group", "self", "stop"):
@@ -74,7 +84,7 @@ def configure() -> None:
         _state.update(op=op, regex=re.compile(pattern), left=int(count), when=when, whom=whom[0] if whom else "group")
     if record:
         _state["log"] = os.open(record, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    if kill or record:
+    if kill or record or fail:
         for name in _original:
             setattr(os, name, _wrap(name))
         os.open = _wrap_open(_original_open)
@@ -138,13 +148,16 @@ def _wrap(name: str):  # type: ignore[no-untyped-def]
     def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
         if name in _FD_CALLS:
             paths = [_fd_path(args[0])]
-        elif op == "rename":
+        elif op in ("rename", "link"):
             paths = [
                 _arg_path(args[0], kwargs.get("src_dir_fd")),
                 _arg_path(args[1], kwargs.get("dst_dir_fd")),
             ]
         else:
             paths = [_arg_path(args[0], kwargs.get("dir_fd"))]
+        if op == _failing["op"] and any(_failing["regex"].search(p) for p in paths):
+            code = int(_failing["errno"])
+            raise OSError(code, os.strerror(code), paths[0])
         return _run_at(_decide(op, paths), lambda: real(*args, **kwargs))
 
     wrapper.__name__ = real.__name__
