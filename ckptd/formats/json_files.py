@@ -37,6 +37,7 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "json_depth",
     "json_limit",
+    "check_listed",
     "check_regular_file",
     "parse_json",
     "read_listed_file",
@@ -145,12 +146,16 @@ def read_listed_file(storage: Storage, path: str, record: Any) -> bytes:
     (no symlinks) and checked against the record's ``size`` and ``crc32c`` on every read (it is
     small, and an edit must not load).  ``record`` ``None`` skips the check."""
     data = read_small_file(storage, path, follow_symlinks=False)
-    if record is None:
-        return data
+    return data if record is None else check_listed(data, record, path)
+
+
+def check_listed(data: bytes, record: Any, where: str) -> bytes:
+    """``data`` if its size and CRC32C are the manifest's ``record``'s, else
+    :class:`CorruptCheckpointError` naming ``where``."""
     actual = format_crc(crc32c(data))
     if len(data) != record.size or actual != record.crc32c:
         raise CorruptCheckpointError(
-            f"{path}: {len(data)} bytes with CRC32C {actual}, but the manifest says {record.size} bytes with "
+            f"{where}: {len(data)} bytes with CRC32C {actual}, but the manifest says {record.size} bytes with "
             f"{record.crc32c}: the file was edited or is corrupt"
         )
     return data

@@ -37,8 +37,7 @@ from ..errors import (
     MissingFileError,
     StorageError,
 )
-from ..formats.checksum import crc32c, format_crc
-from ..formats.json_files import json_limit, read_listed_file, read_small_file
+from ..formats.json_files import check_listed, json_limit, read_listed_file, read_small_file
 from ..formats.manifest import FileRecord
 from ..formats.names import MANIFEST_NAME
 from ..formats.torch_bin import load_bin
@@ -138,14 +137,7 @@ class OneVersion:
         if not self.storage.local:
             return read_listed_file(self.storage, where, record)
         data = self.read_small(name, follow_symlinks=False)
-        if record is not None:
-            actual = format_crc(crc32c(data))
-            if len(data) != record.size or actual != record.crc32c:
-                raise CorruptCheckpointError(
-                    f"{where}: {len(data)} bytes with CRC32C {actual}, but the manifest says {record.size} bytes "
-                    f"with {record.crc32c}: the file was edited or is corrupt"
-                )
-        return data
+        return data if record is None else check_listed(data, record, where)
 
     def load_bin(self, name: str, path: str, checkpoint: str | None) -> dict[str, torch.Tensor]:
         """A local ``.bin`` file, which torch opens by path (memory-mapped): the path must name
