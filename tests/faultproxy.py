@@ -269,12 +269,12 @@ class FaultProxy:
                 method, path = request_line.split(" ")[:2]
                 headers = _headers(head)
                 fault = self._fault_for(method, path)
+                if fault == "stall":  # a frozen server: not even "100 Continue"
+                    self._hold(client)
+                    return
                 if headers.get("expect", "").lower() == "100-continue":
                     client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                     head = b"\r\n".join(line for line in head.split(b"\r\n") if not line.lower().startswith(b"expect:"))
-                if fault == "stall":
-                    self._hold(client)
-                    return
                 if fault == "slow" and "content-length" in headers:
                     body = _read_slowly(client, inbound, int(headers["content-length"]), self.slow_rate)
                 else:

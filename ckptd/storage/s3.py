@@ -38,6 +38,7 @@ import contextlib
 import errno as errno_codes
 import logging
 import socket
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -90,6 +91,24 @@ class StallBoundSockets:
         return hash(self.seconds)
 
 
+_SENDING_AT_ONCE: weakref.WeakSet[Any] = weakref.WeakSet()  # clients with _send_at_once registered
+
+
+def _send_at_once(params: dict[str, Any], **_: Any) -> None:
+    """Drop the ``Expect: 100-continue`` botocore puts on every PUT and POST with a body.
+
+    aiohttp waits for the server's ``100 Continue`` with no timeout at all (its read timeout
+    starts once the body is sent, and no byte is unacknowledged meanwhile), so a frozen server
+    held every upload forever.  Sent at once, a body that the server does not take is caught by
+    the socket's ``TCP_USER_TIMEOUT``, and one it takes without answering by the read timeout.
+    (The cost: a request refused before its body is read, a 403 say, still sends its body.)
+    """
+    headers = params.get("headers")
+    if isinstance(headers, dict):
+        for name in [name for name in headers if name.lower() == "expect"]:
+            del headers[name]
+
+
 def s3_error(action: str, url: str, error: BaseException, attempts: int | None = None) -> Exception:
     """A ckptd error for a failed S3 request, naming the object and the cause."""
     status = http_status(error)
@@ -137,6 +156,7 @@ class S3Storage(FsspecStorage):
         super().__init__(url, storage_options, tuning)
         self._parts_in_flight: asyncio.Semaphore | None = None
         self.retry_counter = RetryCounter()  # every retry this storage object made
+        self._run(self._client)  # now, so that s3fs's own requests (write_stream, rm) send at once too
 
     def _make_filesystem(self, options: dict[str, Any]) -> Any:
         config = dict(options.get("config_kwargs") or {})
@@ -172,7 +192,11 @@ class S3Storage(FsspecStorage):
 
     async def _client(self) -> Any:
         await self.fs.set_session()
-        return self.fs.s3
+        client = self.fs.s3
+        if client not in _SENDING_AT_ONCE:
+            client.meta.events.register_last("before-call.s3", _send_at_once)
+            _SENDING_AT_ONCE.add(client)
+        return client
 
     async def _call(self, what: str, url: str, method: str, **kwargs: Any) -> Any:
         """One request, retried by ckptd's policy; failures become a ckptd error naming ``url``."""
