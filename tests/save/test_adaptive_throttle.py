@@ -33,17 +33,66 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pause: float
     time.sleep(pause)
 
 
+def _paced_by(ckpt: ckptd.Checkpointer, gates: dict[str, str | threading.Event]) -> dict[str, list[float | None]]:
+    """Hold the background copy of ``block<i>`` until the throttle has sent the action
+    ``gates[block]`` (or until that event is set): the save lasts as long as the decisions the
+    test waits for, on a fast disk or a loaded machine alike (the writer writes each block as
+    its copy lands; a block counts as staged once the hook after its copy returns).  Returns, per
+    action waited for, the writer's limit right after it was sent (a ping is answered after the
+    notices sent before it)."""
+    sent = ckpt._steps.sent
+    limits: dict[str, list[float | None]] = {}
+
+    def after_copy(component: str, key: str) -> None:
+        gate = gates.get(key)
+        if gate is None:
+            return
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (
+            gate.is_set() if isinstance(gate, threading.Event) else gate in sent
+        ):
+            time.sleep(0.002)
+        if isinstance(gate, str):
+            limits.setdefault(gate, []).append(ckpt.health_check()["write_rate"])
+
+    ckpt._pool.after_copy = after_copy
+    return limits
+
+
+def _written(ckpt: ckptd.Checkpointer, nbytes: int) -> None:
+    """Wait until the writer has written ``nbytes`` (it then knows its unthrottled rate)."""
+    deadline = time.monotonic() + 60
+    while ckpt.health_check()["bytes_written"] < nbytes:
+        assert time.monotonic() < deadline, "the writer wrote nothing"
+        time.sleep(0.002)
+
+
+def _baseline(ckpt: ckptd.Checkpointer, pause: float) -> None:
+    for _ in range(12):
+        ckpt.mark_step()  # steps without a save: the baseline
+        time.sleep(pause)
+
+
+# Steps are marked by hand in the tests that stage in the background (optimizer.step() would wait
+# for the copy they hold).  That the writer really sleeps under a limit is tests/writer/
+# test_throttle.py's (a fake clock); here, that the trainer's decisions reach it.
+
+
 def test_slowed_training_throttles_the_writer_until_that_does_not_help(tmp_path: Any) -> None:
-    model, optimizer, state = _model_and_state()
+    _, _, state = _model_and_state()
     with ckptd.Checkpointer(str(tmp_path), chunk_size="1MiB") as ckpt:  # the throttle is on by default
         ckpt.prepare(state)
-        for _ in range(12):
-            _step(model, optimizer, 0.002)  # the baseline: no save
-        request = ckpt.async_save(1, state)
+        _baseline(ckpt, 0.002)
+        # Blocks 0-1 are written at once (the writer measures its rate on block 0), blocks 2-6
+        # once "slower" was sent, block 7 once the limit was given up.
+        limits = _paced_by(ckpt, {"block1": "slower", "block6": "release"})
+        request = ckpt.async_save(1, state, staging="background")
+        _written(ckpt, 16 * 1024 * 1024)
         while not request.done():
             # Training is slowed while the save is written (as interference would): 5x.
-            _step(model, optimizer, 0.010)
-        result = request.result()
+            ckpt.mark_step()
+            time.sleep(0.010)
+        request.result()
         # The steps stay slow whatever the writer does (the sleep is not its doing): "slower"
         # (again if a window happened to be 3% faster, as sleeps jitter on a busy machine), a
         # "hold" for the window after it, then, since it did not help, the limit is released
@@ -53,37 +102,44 @@ def test_slowed_training_throttles_the_writer_until_that_does_not_help(tmp_path:
         first_release = sent.index("release")
         assert sent[0] == "slower" and set(sent[:first_release]) == {"slower", "hold"}, sent
         assert sent[first_release - 1] == "hold", sent
-        assert result.timings.get("throttled", 0.0) > 0.0
-        assert ckpt.health_check()["throttled_seconds"] > 0.0
+        assert limits["slower"][0] is not None, "the writer took the limit"
+        assert limits["release"] == [None], "and gave it up"
         assert_same(ckpt.load(1, into=None)["payload"], state["payload"])
 
 
 def test_the_next_save_while_training_starts_at_the_learned_limit(tmp_path: Any) -> None:
-    model, optimizer, state = _model_and_state()
+    _, _, state = _model_and_state()
     with ckptd.Checkpointer(str(tmp_path), throttle=True, chunk_size="1MiB") as ckpt:
         ckpt.prepare(state)
-        for _ in range(12):
-            _step(model, optimizer, 0.002)
-        first = ckpt.async_save(1, state)
-        while not first.done() and "slower" not in ckpt._steps.sent:
-            _step(model, optimizer, 0.010)  # slowed while the write goes on
+        _baseline(ckpt, 0.002)
+        limits = _paced_by(ckpt, {"block1": "slower", "block6": "release"})
+        first = ckpt.async_save(1, state, staging="background")
+        _written(ckpt, 16 * 1024 * 1024)
+        while "slower" not in ckpt._steps.sent:
+            ckpt.mark_step()
+            time.sleep(0.010)  # slowed while the write goes on
         ckpt.wait()  # "release": the rest is written at full speed; the limit is remembered
         sent = list(ckpt._steps.sent)
         assert sent[-1] == "release" and set(sent[:-1]) == {"slower"}, sent
-        assert ckpt.health_check()["write_rate"] is None
-        for _ in range(12):
-            _step(model, optimizer, 0.002)
+        assert limits["slower"][0] is not None and ckpt.health_check()["write_rate"] is None
+        assert first.result().step == 1
+        _baseline(ckpt, 0.002)
         ckpt._steps.sent.clear()
-        second = ckpt.async_save(2, state)
+        sampled = threading.Event()
+        _paced_by(ckpt, {"block6": sampled})  # held until the test has seen the writer's limit
+        second = ckpt.async_save(2, state, staging="background")
         rates = []  # the writer's limit while the trainer has asked nothing during this save
         while not second.done():
             if not ckpt._steps.sent:
                 rates.append(ckpt.health_check()["write_rate"])
-            _step(model, optimizer, 0.002)
-        result = second.result()
+                if rates[-1] is not None:
+                    sampled.set()
+            ckpt.mark_step()
+            time.sleep(0.002)
+        second.result()
         assert any(rate is not None for rate in rates), (rates, list(ckpt._steps.sent))
-        assert result.timings.get("throttled", 0.0) > 0.0
         assert_same(ckpt.load(2, into=None)["payload"], state["payload"])
+        ckpt._pool.after_copy = None
         time.sleep(QUIET_SECONDS + 0.2)  # no step for a while: nobody trains
         ckpt._steps.sent.clear()
         third = ckpt.async_save(3, state)
@@ -92,17 +148,24 @@ def test_the_next_save_while_training_starts_at_the_learned_limit(tmp_path: Any)
 
 
 def test_wait_releases_the_limit_so_the_save_finishes_at_full_speed(tmp_path: Any) -> None:
-    model, optimizer, state = _model_and_state()
+    _, _, state = _model_and_state()
     with ckptd.Checkpointer(str(tmp_path), throttle=True, chunk_size="1MiB") as ckpt:
         ckpt.prepare(state)
         for _ in range(12):
-            _step(model, optimizer, 0.004)
-        request = ckpt.async_save(1, state)
-        for _ in range(6):
-            _step(model, optimizer, 0.020)
+            ckpt.mark_step()
+            time.sleep(0.004)
+        # The last block is copied only once wait() has sent "release": the save is still being
+        # written when the limit is lifted, however fast the disk.
+        _paced_by(ckpt, {"block6": "release"})
+        request = ckpt.async_save(1, state, staging="background")
+        while "slower" not in ckpt._steps.sent:
+            ckpt.mark_step()
+            time.sleep(0.020)
+        assert not request.done()
         ckpt.wait()  # sends "release": the rest of the save is not held back
         assert ckpt._steps.sent[-1] == "release"
         assert request.result().path.endswith("checkpoint-1")
+        assert_same(ckpt.load(1, into=None)["payload"], state["payload"])
 
 
 def test_a_blocking_result_on_the_saving_thread_lifts_the_limit(tmp_path: Any) -> None:
