@@ -11,6 +11,7 @@ users read them; the work is in :mod:`ckptd.save` and :mod:`ckptd.load`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -26,10 +27,10 @@ import torch
 
 from .catalog import CheckpointInfo, checkpoint_dir_name, find_step, latest_checkpoint, list_checkpoints, read_manifest
 from .dist.group import DistContext, group_leaders
-from .errors import CheckpointNotFoundError, CheckpointReplacedError, CkptdError, ConfigError
+from .errors import CheckpointNotFoundError, CheckpointReplacedError, CkptdError, ConfigError, WriterError
 from .formats.manifest import Manifest
 from .garbage import collect_garbage
-from .load.assign import read_components, read_keys, restore_components
+from .load.assign import read_components, read_keys, reads_everything, restore_components
 from .load.reader import CheckpointReader
 from .options import CheckpointerOptions, check_staging
 from .request import SaveRequest, SaveResult
@@ -40,7 +41,7 @@ from .stats import StatsSummary
 from .storage import in_process_only, is_local, local_path, normalize_location, storage_for
 from .storage.cleanup import Cleanup
 from .writer.client import InProcessWriter, WriterClient
-from .writer.owner import bind_to_process, check_process, unbind
+from .writer.owner import CtrlC, bind_to_process, check_process, exiting_on_ctrl_c, unbind
 
 __all__ = ["Checkpointer"]
 
@@ -50,6 +51,13 @@ LOAD_ATTEMPTS = 5
 """Tries of :meth:`Checkpointer.load` when the checkpoint is replaced while it is read (each opens
 it afresh: the version committed by then is as good an answer)."""
 _REPLACED_DELAY = 0.1  # seconds before the third try, times 3 before each next one (the second is at once)
+_ABANDON_WRITER_SECONDS = 3.0
+"""After a second Ctrl-C, how long the writer may take to stop and remove the save it was writing
+before it is killed (the trainer then removes that save itself).  Under 5 s, the time the reader
+thread waits for a closed writer's exit: no clean-up of the trainer's starts while it lives."""
+_ABANDON_SECONDS = 10.0
+"""After a second Ctrl-C, how long the abandoned saves' clean-up may take at most (the commit
+thread's, then the retries of what failed); what is left is removed by ``ckptd gc``."""
 
 
 class Checkpointer:
@@ -135,7 +143,9 @@ class Checkpointer:
         self._completer = threading.Thread(target=_complete_jobs, args=(self._jobs,), name="ckptd-commit", daemon=True)
         self._completer.start()
         threading.Thread(target=_start_writer, args=(self._writer,), name="ckptd-writer-start", daemon=True).start()
-        self._atexit = bind_to_process(self)  # close() at exit; forget_after_fork() in a fork child
+        self._abandoned = False  # a second Ctrl-C while close() waited: failures are expected
+        # _close_at_exit() at exit; forget_after_fork() in a fork child
+        self._atexit = bind_to_process(self, Checkpointer._close_at_exit)
         self._finalizer = weakref.finalize(
             self,
             _release,
@@ -345,8 +355,17 @@ class Checkpointer:
         try:
             result = self._saver.complete(job)
         except BaseException as e:  # noqa: BLE001 - stored in the request, raised by wait()
-            logger.error("ckptd: save of step %s to %s failed: %s", job.request.step, job.request.path, e)
-            job.request._set_exception(e)
+            if self._abandoned:
+                logger.info("ckptd: save of step %s to %s abandoned: %s", job.request.step, job.request.path, e)
+                error = WriterError(
+                    f"the save of step {job.request.step} to {job.request.path} was abandoned by Ctrl-C "
+                    "while close() waited for it; nothing was committed"
+                )
+                error.__cause__ = e
+                job.request._set_exception(error)
+            else:
+                logger.error("ckptd: save of step %s to %s failed: %s", job.request.step, job.request.path, e)
+                job.request._set_exception(e)
         else:
             job.request._set_result(result)
         finally:
@@ -444,6 +463,8 @@ class Checkpointer:
             pickle_ok = self.options.allow_pickle if allow_pickle is None else allow_pickle
             rank = self._dist.rank if self._dist else 0
             groups = group_leaders(sharing)
+            if reads_everything(reader, rank, into, components, keys):
+                reader.check_complete()  # a full load needs every file; a partial one only its own
             if into is not None:
                 restore_components(
                     reader,
@@ -462,6 +483,35 @@ class Checkpointer:
             return read_components(
                 reader, components, device=device, verify=verify, allow_pickle=pickle_ok, rank=rank, groups=groups
             )
+
+    async def aload(
+        self,
+        step: int | str | os.PathLike[str] = "latest",
+        into: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """:meth:`load` for asyncio code: same arguments and result, run on a worker thread
+        (``asyncio.to_thread``) so the event loop goes on meanwhile; a failure is raised from the
+        ``await`` (``CheckpointNotFoundError`` for a missing step, ...).
+
+        A load that has started cannot be stopped: if the awaiting task is cancelled, the
+        cancellation is raised once the load thread has finished, so objects passed in ``into=``
+        are never written after ``aload`` has returned or raised.  To save from asyncio code,
+        ``await checkpointer.async_save(step, state)``: the copy of the state runs on the
+        loop's thread (with ``staging="background"`` on a staging thread), the wait for the
+        commit does not block the loop.
+        """
+        self._check_open()
+        load = asyncio.ensure_future(asyncio.to_thread(self.load, step, into, **kwargs))
+        try:
+            return await asyncio.shield(load)
+        except asyncio.CancelledError:
+            while not load.done():
+                with contextlib.suppress(asyncio.CancelledError):  # cancelled again: keep waiting
+                    await asyncio.wait([load])
+            if not load.cancelled():
+                load.exception()  # retrieved: the cancellation is what the caller gets
+            raise
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -504,25 +554,76 @@ class Checkpointer:
         return self._writer.pid
 
     def close(self, wait: bool = True) -> None:
-        """Finish pending saves (unless ``wait=False``), stop the writer and free the arenas."""
+        """Finish pending saves (unless ``wait=False``), stop the writer and free the arenas.
+
+        Runs by itself at interpreter exit, so a program that ends with saves in flight waits
+        for them.  Ctrl-C during that wait (on the main thread, while SIGINT has Python's own
+        handler) prints one line naming the saves it waits for; a second Ctrl-C abandons them:
+        the writer stops at once, nothing more is committed, the saves' staging directories
+        (on object stores their objects and multipart uploads) are removed, the writer and the
+        arenas are released, and then ``close()`` raises KeyboardInterrupt (at exit: the program
+        ends with no traceback).  When the program ended on Ctrl-C, the line comes at once and
+        the next Ctrl-C abandons.
+        """
+        self._close(wait)
+
+    def _close_at_exit(self) -> None:
+        """``close()`` from the interpreter's exit hook: never raises."""
+        self._close(True, told=exiting_on_ctrl_c(), at_exit=True)
+
+    def _close(self, wait: bool, *, told: bool = False, at_exit: bool = False) -> None:
+        """``close()``; ``told``: a KeyboardInterrupt already ended the program (or the ``with``
+        block), so the first Ctrl-C is behind us and nothing is raised after an abandon."""
         if self._closed:
             return
         self._closed = True
         if os.getpid() != self._owner_pid:
             return  # a fork() child: the parent's saves, writer and arenas are the parent's to finish
-        try:
-            if wait:
-                self._release_throttle()
-                for request in self.pending():
-                    try:
-                        request.result()
-                    except Exception:  # noqa: BLE001 - already logged; raised by its own wait()
-                        pass
-        finally:
-            parts = self._finalizer.detach()
-            if parts is not None:
-                _, release, args, _ = parts
-                release(*args, wait=wait)
+        pending = self.pending()
+        abandon = False
+        active = wait and bool(pending)
+        with CtrlC(self._waiting_for, active=active, told=told and active) as ctrl_c:
+            try:
+                if at_exit and ctrl_c.armed and CtrlC.abandoned_at_exit:
+                    abandon = True  # the user abandoned another Checkpointer's saves at this exit
+                elif wait:
+                    self._release_throttle()
+                    if pending:
+                        where = "the exit" if at_exit else "close()"
+                        logger.debug("ckptd: %s waits for %s", where, self._waiting_for())
+                    ctrl_c.start_waiting()
+                    for request in pending:
+                        try:
+                            request.result()
+                        except Exception:  # noqa: BLE001 - already logged; raised by its own wait()
+                            pass
+            except KeyboardInterrupt:
+                if not ctrl_c.armed:
+                    raise  # the program's own SIGINT handler: not ours to interpret
+                abandon = True
+            finally:
+                ctrl_c.stop_waiting()
+                if abandon:
+                    what = self._waiting_for()
+                    self._abandoned = True
+                    self._writer.abandon()  # from here the saves in flight cannot finish writing
+                    ctrl_c.abandoning(what)
+                parts = self._finalizer.detach()
+                if parts is not None:
+                    _, release, args, _ = parts
+                    release(*args, wait=wait, abandon=abandon)
+        if abandon:
+            if at_exit:
+                CtrlC.abandoned_at_exit = True
+            elif not told:
+                raise KeyboardInterrupt
+
+    def _waiting_for(self) -> str:
+        """The pending saves, in words: "the save of step 7", "the saves of steps 7, 8"."""
+        steps = [str(request.step) for request in self.pending()]
+        if len(steps) == 1:
+            return f"the save of step {steps[0]}"
+        return f"the saves of steps {', '.join(steps)}" if steps else "the pending saves"
 
     def _check_process(self) -> None:
         check_process(self._owner_pid, "Checkpointer")
@@ -538,8 +639,8 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self._close(True, told=exc_type is not None and issubclass(exc_type, KeyboardInterrupt))
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root!r})"
@@ -579,10 +680,15 @@ def _release(
     *,
     wait: bool = True,
     collected: bool = False,
+    abandon: bool = False,
 ) -> None:
     """Stop a Checkpointer's completion thread, writer, arenas and clean-up: from ``close()``, or
     (``collected``) when it was garbage-collected unclosed, then on a thread of its own (the
-    collection may happen on any thread, holding any lock), with a ResourceWarning."""
+    collection may happen on any thread, holding any lock), with a ResourceWarning.
+
+    ``abandon`` (the writer was told to abandon its work): wait for the writer to exit (killed
+    after ``_ABANDON_WRITER_SECONDS``), then give the completion thread, which fails and cleans
+    up every pending save, and the retried clean-ups ``_ABANDON_SECONDS`` at most."""
     if os.getpid() != owner_pid:
         return  # a fork() child: the parent's writer and arenas are the parent's
     if collected:
@@ -592,14 +698,16 @@ def _release(
             warnings.warn(f"{name} was not closed; its writer is stopped now", ResourceWarning, stacklevel=2)
         return
     saver, steps, writer, pool = parts
+    if abandon:
+        writer.close(timeout=_ABANDON_WRITER_SECONDS)  # no save waits on it any longer
     jobs.put(None)
     if wait and completer is not threading.current_thread():
-        completer.join()
+        completer.join(_ABANDON_SECONDS if abandon else None)
     saver.close()
     if steps is not None:
         steps.close()
     writer.close()
     pool.close()
-    cleanup.drain(cleanup_timeout if wait else 0.0)
+    cleanup.drain(min(cleanup_timeout, _ABANDON_SECONDS) if abandon else cleanup_timeout if wait else 0.0)
     cleanup.close()
     unbind(exit_hook)

@@ -60,6 +60,10 @@ class SaveRequest:
         self.staged = threading.Event()
         self.timings: dict[str, float] = {}
         self._future: Future[SaveResult] = Future()
+        # Running from the start: nobody can cancel() it (asyncio.wrap_future cancels the future it
+        # wraps when the awaiting task is cancelled, which would have made the save's outcome
+        # impossible to record); the save goes on and commits or fails as if nobody had awaited it.
+        self._future.set_running_or_notify_cancel()
         self._saving_thread: int | None = None
         self._release: weakref.WeakMethod[Callable[[], None]] | None = None
 
@@ -86,6 +90,9 @@ class SaveRequest:
         self._future.add_done_callback(lambda _: fn(self))
 
     def __await__(self) -> Generator[Any, None, SaveResult]:
+        """``await request``: the :class:`SaveResult` once committed, without blocking the event
+        loop (the loop is woken from the commit thread).  Cancelling the awaiting task stops the
+        wait, not the save: it still commits or fails, and ``result()`` tells which."""
         return asyncio.wrap_future(self._future).__await__()
 
     def __repr__(self) -> str:

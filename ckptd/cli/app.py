@@ -20,9 +20,9 @@ from contextlib import contextmanager
 from typing import Any, NoReturn
 
 from .._version import __version__
-from .output import EXIT_OK, EXIT_OTHER, EXIT_USAGE, CliError, Failure, classify, print_json
+from .output import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_USAGE, CliError, Failure, classify, print_json
 
-__all__ = ["Context", "Result", "build_parser", "main"]
+__all__ = ["Context", "Result", "build_parser", "main", "non_negative_float", "non_negative_int", "positive_int"]
 
 _GLOBAL_DEFAULTS: dict[str, Any] = {"json": False, "quiet": False, "debug": False, "storage_options": {}}
 
@@ -78,6 +78,37 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = _number(text, int, "an integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    value = _number(text, int, "an integer")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    value = _number(text, float, "a number")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of 0 or more, got {text}")
+    return value
+
+
+def _number(text: str, kind: Callable[[str], Any], what: str) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
 def _global_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("global options (before or after the command)")
     group.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON document")
@@ -97,12 +128,13 @@ def _global_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``ckptd`` parser with every subcommand."""
-    from . import demo, describe, roots, transform
+    from . import demo, describe, diff, roots, transform
 
     parser = _Parser(
         prog="ckptd",
         description="Asynchronous, crash-safe PyTorch checkpoints. Exit codes: 0 ok, 1 other, 2 usage, "
-        "3 not found, 4 corrupt, 5 storage, 6 conflict (see docs/cli.md).",
+        "3 not found, 4 corrupt, 5 storage, 6 conflict, 7 differs (diff), 141 output pipe closed (see "
+        "docs/cli.md).",
     )
     _global_options(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
@@ -115,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.register(add)
     roots.register(add)
     describe.register(add)
+    diff.register(add)
     transform.register(add)
     return parser
 
@@ -138,18 +171,39 @@ def _cli_logging(debug: bool, quiet: bool) -> Iterator[None]:
         logger.propagate = saved[2]
 
 
-def _guess_flags(argv: Sequence[str]) -> tuple[str, bool, bool]:
-    """Command name, --json and --debug from raw arguments (for errors raised while parsing)."""
-    command = next((a for a in argv if not a.startswith("-")), "")
+def _commands(parser: argparse.ArgumentParser) -> set[str]:
+    """The subcommands' names."""
+    return {
+        name for action in parser._actions if isinstance(action, argparse._SubParsersAction) for name in action.choices
+    }
+
+
+def _guess_flags(argv: Sequence[str], commands: set[str]) -> tuple[str, bool, bool]:
+    """Command name (``""`` when none is given yet), --json and --debug from raw arguments, for
+    errors raised while parsing.  The command is the first argument that is no option and no
+    option's value (``--storage-options '{bad json' ls R`` is ``ls``), if it names a command."""
+    command = ""
+    value_next = False
+    for arg in argv:
+        if value_next:
+            value_next = False
+        elif arg == "--":
+            break
+        elif arg.startswith("-"):
+            value_next = arg == "--storage-options"  # the one global option that takes a value
+        else:
+            command = arg if arg in commands else ""
+            break
     return command, "--json" in argv, "--debug" in argv
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ckptd`` console script and of ``python -m ckptd``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    command, as_json, debug = _guess_flags(argv)
+    parser = build_parser()
+    command, as_json, debug = _guess_flags(argv, _commands(parser))
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
         for name, default in _GLOBAL_DEFAULTS.items():
             if not hasattr(args, name):
                 setattr(args, name, default)
@@ -165,16 +219,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             render(body, context)
         return int(code)
-    except BrokenPipeError:  # stdout closed early (``ckptd info X | head``): stop quietly
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return EXIT_OTHER
+    except BrokenPipeError:
+        return _broken_pipe()
     except SystemExit as e:  # --help / --version
         return int(e.code or 0) if isinstance(e.code, int) or e.code is None else EXIT_USAGE
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - the one top-level handler: every error becomes one line
         failure = classify(e, command or "")
-        _report(failure, command, as_json, e if debug else None)
+        try:
+            _report(failure, command, as_json, e if debug else None)
+        except BrokenPipeError:
+            return _broken_pipe()
         return failure.code
+
+
+def _broken_pipe() -> int:
+    """stdout was closed early (``ckptd ls R | head -1``): stop quietly, as a Unix tool killed by
+    SIGPIPE does.  What is still buffered goes to /dev/null, so the interpreter's last flush
+    prints no "Exception ignored" message (the Python docs' recipe for SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no stdout file descriptor (in-process callers): nothing to flush
+        pass
+    return EXIT_BROKEN_PIPE
 
 
 def _report(failure: Failure, command: str, as_json: bool, error: BaseException | None) -> None:

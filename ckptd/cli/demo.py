@@ -1,14 +1,16 @@
 """``ckptd demo``: a small CPU training loop that async-saves, reports the stall per save, reloads.
 
 The default size finishes in well under 20 s on two cores; ``--size`` picks bigger models.  The
-first line is printed before torch is imported.  Without ``--dir`` the checkpoints go to a new
-temporary directory, removed at the end unless ``--keep``; with ``--dir D`` a second run resumes
-from the latest checkpoint in ``D`` and keeps going.
+arguments are checked before anything is printed or created; the first line is printed before
+torch is imported.  Without ``--dir`` the checkpoints go to a new temporary directory, removed at
+the end unless ``--keep``; with ``--dir D`` a second run resumes from the latest checkpoint in
+``D`` and keeps going.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -16,9 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..options import STAGING_MODES
-from .app import Context, Result
-from .output import EXIT_OK, EXIT_OTHER, human_size
+from ..options import STAGING_MODES, CheckpointerOptions
+from .app import Context, Result, positive_int
+from .output import EXIT_OK, EXIT_OTHER, EXIT_USAGE, CliError, human_size
 
 __all__ = ["SIZES", "register"]
 
@@ -29,6 +31,7 @@ SIZES = {
     "medium": (256, 4, 40, 10),
     "large": (512, 8, 60, 15),
 }
+_HEADS = 4
 
 
 def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
@@ -36,11 +39,11 @@ def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     demo = add("demo", "train a small model on CPU, async-saving every few steps, then reload it")
     demo.add_argument("--dir", help="checkpoint root (default: a temporary directory, removed at the end)")
     demo.add_argument("--size", choices=sorted(SIZES), default="small", help="model size (default: small)")
-    demo.add_argument("--steps", type=int, help="training steps (default: per size)")
-    demo.add_argument("--every", type=int, help="save every N steps (default: per size)")
-    demo.add_argument("--width", type=int, help="model width (default: per size)")
-    demo.add_argument("--layers", type=int, help="transformer layers (default: per size)")
-    demo.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep (default 3)")
+    demo.add_argument("--steps", type=positive_int, help="training steps (default: per size)")
+    demo.add_argument("--every", type=positive_int, help="save every N steps (default: per size)")
+    demo.add_argument("--width", type=positive_int, help="model width, a multiple of 4 (default: per size)")
+    demo.add_argument("--layers", type=positive_int, help="transformer layers (default: per size)")
+    demo.add_argument("--keep-last", type=positive_int, default=3, help="checkpoints to keep (default 3)")
     demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
     demo.add_argument(
         "--staging",
@@ -56,6 +59,11 @@ def _demo(args: argparse.Namespace, context: Context) -> Result:
     width, layers, steps, every = SIZES[args.size]
     width, layers = args.width or width, args.layers or layers
     steps, every = args.steps or steps, args.every or every
+    if width % _HEADS:
+        raise CliError(f"--width must be a multiple of {_HEADS} (the attention heads), got {width}", EXIT_USAGE)
+    if args.dir is not None and os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        raise CliError(f"--dir {args.dir} is a file, not a directory", EXIT_USAGE)
+    CheckpointerOptions(keep_last=args.keep_last, staging=args.staging)  # its errors, before any side effect
     temporary = args.dir is None
     root = args.dir or tempfile.mkdtemp(prefix="ckptd-demo-")
     context.say(f"ckptd demo ({args.size}): {layers} layer(s) of width {width}, {steps} steps, saving to {root}")
@@ -73,7 +81,7 @@ def _build(width: int, layers: int) -> Any:
     import torch
 
     encoder = torch.nn.TransformerEncoder(
-        torch.nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=2 * width, batch_first=True),
+        torch.nn.TransformerEncoderLayer(width, nhead=_HEADS, dim_feedforward=2 * width, batch_first=True),
         num_layers=layers,
         enable_nested_tensor=False,
     )

@@ -1,12 +1,15 @@
-"""Commands on one checkpoint: ``info``, ``verify``, ``diff``.
+"""Commands on one checkpoint: ``info``, ``verify`` (``diff`` compares two: :mod:`.diff`).
 
-``info`` and ``diff`` read manifests (or safetensors headers for HF checkpoints), never tensor
-data, except ``diff --exact`` (only the tensors whose files differ).  ``verify`` reads every byte.
+``info`` reads the manifest (or safetensors headers for HF checkpoints), never tensor data;
+``verify`` reads every byte.  Neither imports torch for ckptd and HF safetensors checkpoints
+(:mod:`ckptd.load.inspection`); PyTorch DCP and ``.bin`` checkpoints are read by torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -15,42 +18,45 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..storage import base_name, normalize_location, storage_for
-from .app import Context, Result
+from .app import Context, Result, non_negative_int
 from .output import EXIT_OK, EXIT_USAGE, CliError, Progress, human_size
 from .roots import file_totals
 
-__all__ = ["register"]
+__all__ = ["register", "tensor_shapes"]
 
 
 def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     """Add this module's subcommands."""
     info = add("info", "describe a checkpoint: components, tensors, dtypes, files, sizes, CRCs, references")
     info.add_argument("path")
-    info.add_argument("--top", type=int, default=5, help="how many of the largest tensors to show (default 5)")
+    info.add_argument(
+        "--top", type=non_negative_int, default=5, help="how many of the largest tensors to show (default 5)"
+    )
     info.set_defaults(func=_info)
     verify = add("verify", "check the size and CRC32C of every file of a checkpoint")
     verify.add_argument("path")
     verify.set_defaults(func=_verify)
-    diff = add("diff", "compare two checkpoints' tensors (keys added, removed, changed) from their manifests")
-    diff.add_argument("a")
-    diff.add_argument("b")
-    diff.add_argument("--component", help="compare only this component")
-    diff.add_argument("--exact", action="store_true", help="read the tensors whose files differ and compare bytes")
-    diff.set_defaults(func=_diff)
 
 
 # ---- info --------------------------------------------------------------------------------------
 
 
 def _info(args: argparse.Namespace, context: Context) -> Result:
-    from ..catalog import read_manifest
-    from ..load.reader import CheckpointReader
+    from ..load.inspection import open_view
 
     try:
-        reader = CheckpointReader.open(args.path, context.storage_options)
+        reader = open_view(args.path, context.storage_options)
     except CheckpointNotFoundError:
         _maybe_root(args.path, context)
         raise
+    with contextlib.closing(reader):
+        return _describe_checkpoint(reader, args.top), _render_info, EXIT_OK
+
+
+def _describe_checkpoint(reader: Any, top: int) -> dict[str, Any]:
+    """The ``info`` document of an open checkpoint (a CheckpointView, or a CheckpointReader)."""
+    from ..catalog import read_manifest
+
     storage = reader.storage
     manifest = reader.manifest
     body: dict[str, Any] = {
@@ -78,6 +84,7 @@ def _info(args: argparse.Namespace, context: Context) -> Result:
     }
     tensors: list[dict[str, Any]] = []
     if manifest is not None:
+        reader.check_files()  # every file there, of its size (one listing): a truncated file is corrupt
         body.update(
             step=manifest.step,
             created_utc=manifest.created_utc,
@@ -125,25 +132,24 @@ def _info(args: argparse.Namespace, context: Context) -> Result:
             )
     else:
         for name in reader.components():
-            try:
-                records = reader.locate(name)
-            except (CorruptCheckpointError, KeyError):
-                records = {}
-            dtypes = Counter(record.dtype for record in records.values())
-            count = len(records) or len(reader.keys(name))
+            found = tensor_shapes(reader, name)
+            dtypes = Counter(dtype for dtype, _, _, _ in found.values())
+            count = len(found) or len(reader.keys(name))
+            kind = reader.kind if reader.kind == "dcp" else "safetensors"
+            kind = "torch_bin" if reader.kind.startswith("torch_bin") else kind
             body["components"].append(
                 {
                     "name": name,
-                    "kind": "torch_bin" if reader.kind.startswith("torch_bin") else "safetensors",
+                    "kind": kind,
                     "sharing": "replicated",
                     "tensors": count,
-                    "bytes": sum(r.nbytes for r in records.values()),
+                    "bytes": sum(nbytes for _, _, nbytes, _ in found.values()),
                     "dtypes": dict(dtypes),
                     "tied_groups": len(reader.tied_groups(name)),
                 }
             )
-            for key, record in records.items():
-                tensors.append(_tensor_json(name, key, record.dtype, record.shape, record.nbytes, len(record.chunks)))
+            for key, (dtype, shape, nbytes, chunks) in found.items():
+                tensors.append(_tensor_json(name, key, dtype, shape, nbytes, chunks))
         sizes = storage.sizes(reader.directory)
         body["files"] = [{"name": n, "size": s, "crc32c": None, "checkpoint": None} for n, s in sorted(sizes.items())]
         body["bytes_written"] = sum(sizes.values())
@@ -154,8 +160,28 @@ def _info(args: argparse.Namespace, context: Context) -> Result:
         all_dtypes.update(component["dtypes"])
     body["dtypes"] = dict(all_dtypes)
     tensors.sort(key=lambda t: (-t["bytes"], t["component"], t["key"]))
-    body["largest_tensors"] = tensors[: max(0, args.top)]
-    return body, _render_info, EXIT_OK
+    body["largest_tensors"] = tensors[:top]
+    return body
+
+
+def tensor_shapes(reader: Any, component: str) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """Dtype, shape, bytes and pieces of each stored tensor of a component of a checkpoint with no
+    ckptd manifest (none for ``.bin`` files, which only torch can open: their keys are listed)."""
+    if reader.kind == "dcp":  # torch read its .metadata
+        from ..formats.safetensors import DTYPE_ITEMSIZE
+        from ..formats.torch_dtypes import dtype_name
+
+        layout = reader.dcp_layout()
+        out = {}
+        for key, fqn in layout.components[component].items():
+            dtype, shape = dtype_name(layout.dtypes[fqn], key), tuple(layout.shapes[fqn])
+            out[key] = (dtype, shape, math.prod(shape) * DTYPE_ITEMSIZE[dtype], 1)
+        return out
+    try:
+        records = reader.locate(component)
+    except (CorruptCheckpointError, KeyError):
+        return {}
+    return {key: (r.dtype, tuple(r.shape), r.nbytes, len(r.chunks)) for key, r in records.items()}
 
 
 def _tensor_json(
@@ -235,150 +261,38 @@ def _render_info(body: dict[str, Any], context: Context) -> None:
 
 
 def _verify(args: argparse.Namespace, context: Context) -> Result:
-    from ..load.reader import CheckpointReader
+    from ..load.inspection import CheckpointView, open_view
 
-    reader = CheckpointReader.open(args.path, context.storage_options, require_manifest=True)
-    manifest = reader.manifest
-    if manifest is None:  # pragma: no cover - require_manifest guarantees it
-        raise CheckpointNotFoundError(f"{args.path}: not a ckptd checkpoint")
-    total = sum(f.size for f in manifest.files.values())
-    progress = Progress(f"verify {base_name(reader.directory)}", total, enabled=context.progress)
-    failures: dict[str, str] = {}
+    view = open_view(args.path, context.storage_options, require_manifest=True)
+    with contextlib.closing(view):
+        manifest = view.manifest
+        if manifest is None or not isinstance(view, CheckpointView):  # a DCP checkpoint, opened by torch
+            raise CheckpointNotFoundError(f"{args.path}: not a ckptd checkpoint")
+        total = sum(f.size for f in manifest.files.values())
+        progress = Progress(f"verify {base_name(view.directory)}", total, enabled=context.progress)
+        failures: dict[str, str] = {}
 
-    def check(name: str) -> None:
+        def check(name: str) -> None:
+            try:
+                view.verify([name])
+            except CorruptCheckpointError as e:  # storage errors propagate: they say nothing of the file
+                failures[name] = str(e)
+            progress.update(manifest.files[name].size)
+
         try:
-            reader.verify([name])
-        except CorruptCheckpointError as e:  # storage errors propagate: they say nothing of the file
-            failures[name] = str(e)
-        progress.update(manifest.files[name].size)
-
-    try:
-        with ThreadPoolExecutor(4) as pool:
-            list(pool.map(check, sorted(manifest.files)))
-    finally:
-        progress.close()
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(check, sorted(manifest.files)))
+        finally:
+            progress.close()
     if failures:
         first = sorted(failures)[0]
         raise CorruptCheckpointError(
             f"{len(failures)} of {len(manifest.files)} files failed: {failures[first]}"
             + (f" (and {', '.join(sorted(failures)[1:4])})" if len(failures) > 1 else "")
         )
-    body = {"path": reader.directory, "files": len(manifest.files), "bytes": total, "verified": True}
+    body = {"path": view.directory, "files": len(manifest.files), "bytes": total, "verified": True}
     return body, _render_verify, EXIT_OK
 
 
 def _render_verify(body: dict[str, Any], context: Context) -> None:
     context.say(f"OK: {body['files']} files, {body['bytes']} bytes, sizes and CRC32C match")
-
-
-# ---- diff --------------------------------------------------------------------------------------
-
-
-def _describe(path: str, context: Context) -> tuple[Any, dict[str, dict[str, tuple[str, tuple[int, ...], tuple]]]]:
-    """A reader and, per component, each tensor's dtype, shape and a fingerprint of its bytes
-    (the files holding it with their CRC32C and byte ranges; ``None`` when no CRC is known)."""
-    from ..load.reader import CheckpointReader
-
-    reader = CheckpointReader.open(path, context.storage_options)
-    manifest = reader.manifest
-    out: dict[str, dict[str, tuple[str, tuple[int, ...], tuple]]] = {}
-    for component in reader.components():
-        records = reader.locate(component) if not reader.kind.startswith("torch_bin") else {}
-        described = {}
-        for key, record in records.items():
-            fingerprint: tuple = ()
-            if manifest is not None:
-                fingerprint = tuple((manifest.files[c.file].crc32c, c.start, c.end, c.offset) for c in record.chunks)
-            described[key] = (record.dtype, tuple(record.shape), fingerprint)
-        for alias, stored in ((a, g[0]) for g in reader.tied_groups(component) for a in g[1:]):
-            if stored in described:
-                described[alias] = described[stored]
-        out[component] = described
-    return reader, out
-
-
-def _diff(args: argparse.Namespace, context: Context) -> Result:
-    reader_a, a = _describe(args.a, context)
-    reader_b, b = _describe(args.b, context)
-    components = sorted(set(a) | set(b))
-    if args.component:
-        if args.component not in components:
-            raise CliError(f"neither checkpoint has a component {args.component!r} (found {components})")
-        components = [args.component]
-    added: list[dict[str, Any]] = []
-    removed: list[dict[str, Any]] = []
-    changed: list[dict[str, Any]] = []
-    unchanged = 0
-    for component in components:
-        left, right = a.get(component, {}), b.get(component, {})
-        for key in sorted(set(right) - set(left)):
-            added.append({"component": component, "key": key, "dtype": right[key][0], "shape": list(right[key][1])})
-        for key in sorted(set(left) - set(right)):
-            removed.append({"component": component, "key": key, "dtype": left[key][0], "shape": list(left[key][1])})
-        for key in sorted(set(left) & set(right)):
-            (dtype_a, shape_a, print_a), (dtype_b, shape_b, print_b) = left[key], right[key]
-            reason = None
-            if dtype_a != dtype_b:
-                reason = "dtype"
-            elif shape_a != shape_b:
-                reason = "shape"
-            elif not print_a or not print_b or print_a != print_b:
-                reason = "file_crc" if print_a and print_b else "unknown"
-                if args.exact:
-                    same = _same_bytes(reader_a, reader_b, component, key)
-                    reason = None if same else "data"
-            if reason is None:
-                unchanged += 1
-                continue
-            changed.append(
-                {
-                    "component": component,
-                    "key": key,
-                    "reason": reason,
-                    "a": {"dtype": dtype_a, "shape": list(shape_a)},
-                    "b": {"dtype": dtype_b, "shape": list(shape_b)},
-                }
-            )
-    body = {
-        "a": reader_a.directory,
-        "b": reader_b.directory,
-        "exact": bool(args.exact),
-        "added": added,
-        "removed": removed,
-        "changed": changed,
-        "unchanged": unchanged,
-    }
-    return body, _render_diff, EXIT_OK
-
-
-def _same_bytes(reader_a: Any, reader_b: Any, component: str, key: str) -> bool:
-    import torch
-
-    left = reader_a.read(component, [key])[key]
-    right = reader_b.read(component, [key])[key]
-    return bool(
-        left.dtype == right.dtype
-        and left.shape == right.shape
-        and torch.equal(left.reshape(-1).view(torch.uint8), right.reshape(-1).view(torch.uint8))
-    )
-
-
-def _render_diff(body: dict[str, Any], context: Context) -> None:
-    for t in body["added"]:
-        context.say(f"+ {t['component']}/{t['key']}  {t['dtype']} {t['shape']}")
-    for t in body["removed"]:
-        context.say(f"- {t['component']}/{t['key']}  {t['dtype']} {t['shape']}")
-    for t in body["changed"]:
-        a, b = t["a"], t["b"]
-        what = {
-            "dtype": f"dtype {a['dtype']} -> {b['dtype']}",
-            "shape": f"shape {a['shape']} -> {b['shape']}",
-            "data": "data differs",
-            "file_crc": "its file's CRC32C differs (--exact reads the tensor to tell)",
-            "unknown": "no CRC recorded (--exact reads the tensor to tell)",
-        }[t["reason"]]
-        context.say(f"~ {t['component']}/{t['key']}  {what}")
-    context.say(
-        f"{len(body['added'])} added, {len(body['removed'])} removed, {len(body['changed'])} changed, "
-        f"{body['unchanged']} unchanged"
-    )

@@ -30,8 +30,10 @@ from ..errors import (
 )
 
 __all__ = [
+    "EXIT_BROKEN_PIPE",
     "EXIT_CONFLICT",
     "EXIT_CORRUPT",
+    "EXIT_DIFFERS",
     "EXIT_INTERRUPTED",
     "EXIT_NOT_FOUND",
     "EXIT_OK",
@@ -54,7 +56,9 @@ EXIT_NOT_FOUND = 3  # no such checkpoint, root, file or bucket
 EXIT_CORRUPT = 4  # a checkpoint is damaged: bad manifest, missing file, CRC mismatch
 EXIT_STORAGE = 5  # the store failed or refused: permission, credentials, network, full disk
 EXIT_CONFLICT = 6  # the destination exists, or other checkpoints depend on what is to be removed
+EXIT_DIFFERS = 7  # not an error: ``diff`` found the checkpoints different (or could not tell them equal)
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # stdout closed early (``ckptd ls R | head``): 128 + SIGPIPE, as other Unix tools
 
 JSON_SCHEMA_VERSION = 1
 
@@ -65,7 +69,9 @@ _CODE_NAMES = {
     EXIT_CORRUPT: "corrupt",
     EXIT_STORAGE: "storage",
     EXIT_CONFLICT: "conflict",
+    EXIT_DIFFERS: "differs",
     EXIT_INTERRUPTED: "interrupted",
+    EXIT_BROKEN_PIPE: "broken_pipe",
 }
 
 _HINTS = {

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointNotFoundError, ReferencedCheckpointError
 from ..storage import Storage, base_name, normalize_location, storage_for
-from .app import Context, Result
+from .app import Context, Result, non_negative_float, non_negative_int
 from .output import EXIT_OK, EXIT_STORAGE, EXIT_USAGE, CliError, Failure, human_size
 
 if TYPE_CHECKING:
@@ -39,11 +39,13 @@ def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     ls.set_defaults(func=_ls)
     gc = add("gc", "remove what crashed saves left under a root (staging directories, unfinished prefixes)")
     gc.add_argument("root")
-    gc.add_argument("--older-than", type=float, default=24 * 3600, help="seconds, for other hosts' leftovers")
+    gc.add_argument(
+        "--older-than", type=non_negative_float, default=24 * 3600, help="seconds, for other hosts' leftovers"
+    )
     gc.set_defaults(func=_gc)
     rm = add("rm", "delete one committed checkpoint (refused while an older version's checkpoint references it)")
     rm.add_argument("root")
-    rm.add_argument("step", type=int)
+    rm.add_argument("step", type=non_negative_int)
     rm.set_defaults(func=_rm)
 
 

@@ -1,12 +1,16 @@
 """Commands that write a new checkpoint from another: ``consolidate``, ``convert``, ``export-hf``.
 
 The work is the library's (:func:`ckptd.consolidate`, :func:`ckptd.tools.convert.convert`); this
-module parses the options, shows progress and reports what was written.
+module checks the options (before anything is written), shows progress and reports what was
+written.  An HF output is a model directory: another component (an optimizer's state) is refused
+unless ``--allow-non-model`` says it is meant, and an output without ``config.json`` comes with
+the hint that ``from_pretrained`` needs one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -45,7 +49,10 @@ def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     _hf_options(convert)
     convert.add_argument("--step", type=int, help="step recorded in a ckptd output (default: the source's, or 0)")
     convert.set_defaults(func=_convert)
-    export = add("export-hf", "write a checkpoint's model as an HF directory (shards + index [+ config.json])")
+    export = add(
+        "export-hf",
+        "write a checkpoint's model as an HF directory (shards + index [+ config.json]) for from_pretrained",
+    )
     export.add_argument("source")
     export.add_argument("destination")
     _hf_options(export)
@@ -55,6 +62,12 @@ def register(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
 def _hf_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a config.json to copy into an HF output (from_pretrained needs one)")
     parser.add_argument("--component", help="component holding the model's tensors (default: model)")
+    parser.add_argument(
+        "--allow-non-model",
+        action="store_true",
+        help="write an HF output of a --component that is not the model (an optimizer's state: no "
+        "config.json is copied and from_pretrained cannot load it)",
+    )
     parser.add_argument("--max-shard-size", default="2GB")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
 
@@ -66,12 +79,12 @@ def _consolidate(args: argparse.Namespace, context: Context) -> Result:
     from ..load.reader import CheckpointReader
     from ..tools.consolidate import consolidate
 
+    parse_size(args.max_shard_size, "--max-shard-size")
     source = CheckpointReader.open(args.source, context.storage_options, require_manifest=True)
     if source.manifest is None:  # pragma: no cover - require_manifest guarantees it
         raise CheckpointNotFoundError(f"{args.source}: not a ckptd checkpoint")
     if normalize_location(args.destination) == source.directory:
         raise CliError("source and destination are the same checkpoint", EXIT_USAGE, "pick another destination")
-    parse_size(args.max_shard_size, "--max-shard-size")
     destination = ShardOutput(args.destination, context.storage_options, args.overwrite)
     total = sum(c.tensor_bytes() for c in source.manifest.components.values())
     progress = Progress(f"consolidate {base_name(source.directory)}", total, enabled=context.progress)
@@ -122,6 +135,8 @@ def _render_written(verb: str) -> Callable[[dict[str, Any], Context], None]:
             f"{verb} {body['source']} into {body['destination']}: {body['files']} files, {body['bytes']} bytes "
             f"in {body['seconds']:.2f} s"
         )
+        for warning in body.get("warnings", ()):
+            context.warn(warning)
 
     return render
 
@@ -133,6 +148,8 @@ def _converted(args: argparse.Namespace, context: Context, label: str, to: str |
     from ..tools.convert import convert
 
     parse_size(args.max_shard_size, "--max-shard-size")  # named as the user typed it
+    hf = (to or ("hf" if source_format(args.source, context.storage_options) == "ckptd" else "ckptd")) == "hf"
+    model = _check_component(args, context) if hf else True
     bar: Progress | None = None
 
     def progress(done: int, total: int) -> None:
@@ -157,7 +174,43 @@ def _converted(args: argparse.Namespace, context: Context, label: str, to: str |
     finally:
         if bar is not None:
             bar.close()
-    return _body(result), _render_written("wrote HF model of" if result.format == "hf" else "converted"), EXIT_OK
+    body = _body(result)
+    if result.format == "hf" and not model:
+        body["warnings"].append(
+            f"{result.destination} holds the tensors of component {args.component!r}, not a model: "
+            "from_pretrained cannot load it"
+        )
+    elif result.format == "hf" and not result.config:
+        body["warnings"].append(
+            f"{result.destination} has no config.json: from_pretrained will need one; pass --config "
+            "path/to/config.json (the model's configuration), or copy it there"
+        )
+    if result.format == "ckptd":
+        verb = "converted"
+    else:
+        verb = "wrote HF model of" if model else f"wrote the tensors of component {args.component!r} (not a model) of"
+    return body, _render_written(verb), EXIT_OK
+
+
+def _check_component(args: argparse.Namespace, context: Context) -> bool:
+    """Whether ``--component`` (if given) is the source's model: ``model``, or its only tensor
+    component.  Another one is refused (usage) unless ``--allow-non-model``."""
+    if args.component is None:
+        return True
+    from ..load.inspection import open_view
+
+    with contextlib.closing(open_view(args.source, context.storage_options)) as source:
+        components = source.components()
+    if args.component == "model" or components == [args.component] or args.component not in components:
+        return True  # (an unknown component is convert()'s to refuse, naming the ones there are)
+    if not args.allow_non_model:
+        raise CliError(
+            f"component {args.component!r} is not the model of {args.source} (its components: "
+            f"{', '.join(components)}): an HF model directory of it would not load with from_pretrained",
+            EXIT_USAGE,
+            "export the model (the default), or pass --allow-non-model to write these tensors anyway",
+        )
+    return False
 
 
 def _body(result: ConvertResult) -> dict[str, Any]:
@@ -170,6 +223,7 @@ def _body(result: ConvertResult) -> dict[str, Any]:
         "bytes": result.bytes,
         "config": result.config,
         "seconds": result.seconds,
+        "warnings": [],
     }
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "create_sharing_metadata",
     "load_into_module",
     "read_components",
+    "reads_everything",
     "resolve_component",
     "restore_components",
     "retie_parameters",
@@ -183,6 +184,21 @@ def _logical_names(reader: CheckpointReader, rank: int) -> list[str]:
         if logical not in names:
             names.append(logical)
     return names
+
+
+def reads_everything(
+    reader: CheckpointReader,
+    rank: int,
+    into: Mapping[str, Any] | None,
+    components: Iterable[str] | None,
+    keys: Iterable[str] | None,
+) -> bool:
+    """Whether a load asks for every component of the checkpoint (this rank's copies): no
+    ``keys``, and ``components``/``into`` absent or naming them all."""
+    if keys is not None:
+        return False
+    chosen = into if into is not None else components
+    return chosen is None or set(_logical_names(reader, rank)) <= set(chosen)
 
 
 def read_components(

@@ -24,9 +24,8 @@ from __future__ import annotations
 import contextlib
 import errno as errno_codes
 import threading
-from collections.abc import Iterator
-
-import torch
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from ..catalog import sibling_checkpoint
 from ..errors import (
@@ -40,9 +39,11 @@ from ..errors import (
 from ..formats.json_files import check_listed, json_limit, read_listed_file, read_small_file
 from ..formats.manifest import FileRecord
 from ..formats.names import MANIFEST_NAME
-from ..formats.torch_bin import load_bin
-from ..storage import Storage
+from ..storage import Storage, check_file_name
 from ..storage.local_read import LocalReader, PinnedDirectory
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["OneVersion", "holder"]
 
@@ -65,6 +66,8 @@ class OneVersion:
         self._pins: dict[str | None, PinnedDirectory] = {} if pinned is None else {None: pinned}
         self._lock = threading.Lock()
         self._closed = False
+        self._listings: dict[tuple[str | None, str], dict[str, int]] = {}
+        self._size_checked: set[str] = set()
 
     @classmethod
     def open(cls, storage: Storage, directory: str) -> OneVersion:
@@ -111,6 +114,44 @@ class OneVersion:
         place = holder(self.storage, self.directory, checkpoint)
         return self.storage.sizes(self.storage.join(place, subdirectory) if subdirectory else place)
 
+    def pin_siblings(self, files: Mapping[str, FileRecord]) -> None:
+        """Locally, open now the sibling checkpoints that ``files`` (a manifest's records) are held
+        in (checkpoints of ckptd < 0.2 referenced earlier ones), so that what is read later is
+        what was there when the checkpoint was opened; a sibling already gone is left for the
+        size check of a read that needs it."""
+        if not self.storage.local:
+            return
+        for checkpoint in {record.checkpoint for record in files.values() if record.checkpoint is not None}:
+            with contextlib.suppress(MissingFileError):
+                self.pinned(checkpoint)
+
+    def check_sizes(self, files: Mapping[str, FileRecord], names: Iterable[str] | None = None) -> None:
+        """Raise :class:`~ckptd.errors.CorruptCheckpointError` unless each of ``names`` (every
+        file of ``files``, the manifest's records, by default) exists with the size it records.
+
+        One listing per directory (the checkpoint's, its spread subdirectories, and, for
+        checkpoints of ckptd < 0.2, the siblings it references), kept; each file checked once."""
+        where = self.storage.join(self.directory, MANIFEST_NAME)
+        for name in files if names is None else dict.fromkeys(names):
+            record = files.get(name)
+            if record is None or name in self._size_checked:
+                continue
+            place = holder(self.storage, self.directory, record.checkpoint)
+            path = self.storage.join(place, check_file_name(name, where))
+            subdirectory, _, base = name.rpartition("/")  # "3f/model-...": the spread key layout
+            key = (record.checkpoint, subdirectory)
+            listing = self._listings.get(key)
+            if listing is None:
+                listing = self._listings[key] = self.sizes(record.checkpoint, subdirectory)
+            actual = listing.get(base)
+            if actual is None:
+                raise CorruptCheckpointError(f"{path}: listed in the manifest but missing")
+            if actual != record.size:
+                raise CorruptCheckpointError(
+                    f"{path}: file is {actual} bytes but the manifest says {record.size} (truncated or replaced)"
+                )
+            self._size_checked.add(name)
+
     def reader(self, name: str, checkpoint: str | None = None) -> LocalReader:
         """A local file of the checkpoint, opened in its pinned directory."""
         return self.pinned(checkpoint).reader(name)
@@ -146,6 +187,8 @@ class OneVersion:
         pinned = self.pinned(checkpoint)
         if not pinned.same_file(name, path):
             raise _replaced_file(path, pinned)
+        from ..formats.torch_bin import load_bin  # torch: only for the pickled formats
+
         tensors = load_bin(path)
         if not pinned.same_file(name, path):
             raise _replaced_file(path, pinned)

@@ -260,7 +260,7 @@ class CheckpointReader:
         manifest = Manifest.from_json(data, where)
         reader = cls(directory, storage, "ckptd", {}, manifest, cache, version=version)
         with version.guard():
-            reader._check_sizes(where)
+            version.pin_siblings(manifest.files)
             for name, component in manifest.components.items():
                 aliases = {alias: group[0] for group in component.tied for alias in group[1:]}
                 if component.kind == "torch_bin" and component.index:
@@ -276,22 +276,16 @@ class CheckpointReader:
                     reader._sources[name] = _Source("safetensors", weight_map, dict(component.tensors), aliases)
         return reader
 
-    def _check_sizes(self, where: str) -> None:
-        """Every file the manifest lists exists with the size it records (one listing per
-        directory: the checkpoint's, its spread subdirectories, referenced siblings)."""
-        listings: dict[tuple[str | None, str], dict[str, int]] = {}
-        for name, record in (self.manifest.files if self.manifest is not None else {}).items():
-            path = _safe_path(self.storage, holder(self.storage, self.directory, record.checkpoint), name, where)
-            subdirectory, _, base = name.rpartition("/")  # "3f/model-...": the spread key layout
-            if (record.checkpoint, subdirectory) not in listings:
-                listings[record.checkpoint, subdirectory] = self._version.sizes(record.checkpoint, subdirectory)
-            actual = listings[record.checkpoint, subdirectory].get(base)
-            if actual is None:
-                raise CorruptCheckpointError(f"{path}: listed in the manifest but missing")
-            if actual != record.size:
-                raise CorruptCheckpointError(
-                    f"{path}: file is {actual} bytes but the manifest says {record.size} (truncated or replaced)"
-                )
+    def check_files(self, names: Iterable[str] | None = None) -> None:
+        """Raise :class:`~ckptd.errors.CorruptCheckpointError` unless each of ``names`` (every
+        file the manifest lists by default) exists with the size the manifest records.
+
+        A load checks only the files it reads, just before it reads them: a ``components=`` or
+        ``keys=`` load needs nothing else, while a full load and :meth:`verify` check them all
+        (:meth:`~ckptd.load.pinning.OneVersion.check_sizes`)."""
+        if self.manifest is not None:
+            with self._version.guard():
+                self._version.check_sizes(self.manifest.files, names)
 
     @classmethod
     def _dcp(
@@ -464,7 +458,9 @@ class CheckpointReader:
         return located
 
     def check_complete(self) -> None:
-        """Raise unless every file of every component exists and every safetensors header parses."""
+        """Raise unless every file of every component exists and every safetensors header parses
+        (ckptd checkpoints: every file the manifest lists, with its recorded size)."""
+        self.check_files()
         for name, source in self._sources.items():
             if source.kind == "dcp":
                 continue  # torch read its .metadata; the data files are DCP's to check
@@ -490,6 +486,7 @@ class CheckpointReader:
         if self.manifest is None:
             return
         names = [n for n in (self.manifest.files if files is None else dict.fromkeys(files)) if n not in self._verified]
+        self.check_files(names)
         records = [self.manifest.files[name] for name in names]
         pairs = zip(names, records, strict=True)
         with self._version.guard():
@@ -590,6 +587,7 @@ class CheckpointReader:
         for p in plans:
             for file_name, wanted in plan_requests(p.records, p.destinations, self.directory).items():
                 requests.setdefault(file_name, []).extend(wanted)
+        self.check_files(requests)  # before the first byte lands in a target
         tuning = getattr(self.storage, "tuning", None)
         concurrency = tuning.part_concurrency if tuning is not None else DEFAULT_REMOTE_CONCURRENCY
         with self._version.guard():

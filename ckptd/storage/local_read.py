@@ -105,6 +105,9 @@ class PinnedDirectory:
         self._identity = _identity(os.fstat(self.fd))
         self._subdirectories: dict[str, int] = {}
         self._lock = threading.Lock()
+        # Listing a directory by descriptor reads it through a duplicate that shares the read
+        # position: two threads listing it at once would each see part of it.
+        self._scan_lock = threading.Lock()
 
     # ---- the directory -----------------------------------------------------------------------
 
@@ -120,7 +123,8 @@ class PinnedDirectory:
     def names(self) -> list[str]:
         """The sorted names in the directory (files and subdirectories)."""
         try:
-            return sorted(os.listdir(self.fd))
+            with self._scan_lock:
+                return sorted(os.listdir(self.fd))
         except OSError as e:
             raise storage_error("list", self.path, e) from e
 
@@ -134,7 +138,7 @@ class PinnedDirectory:
             return {}
         out = {}
         try:
-            with os.scandir(fd) as entries:
+            with self._scan_lock, os.scandir(fd) as entries:
                 for entry in entries:
                     if entry.is_file():
                         out[entry.name] = entry.stat().st_size

@@ -90,9 +90,10 @@ def convert(
     with all its entries, and a ckptd source converted to ckptd is consolidated
     (:func:`~ckptd.consolidate`: every component, whole tensors).  ``config`` is a
     ``config.json`` (path or bytes) for an HF output (``from_pretrained`` needs one; default:
-    the source's own, if it has one).  ``step`` is recorded in a ckptd output converted from HF
-    or DCP (default: the source's step, else 0).  ``progress(bytes_done, bytes_total)`` is called
-    after each tensor read where tensors are streamed (not for DCP -> ckptd or a consolidation).
+    the source's own, if it has one and ``component`` is its model: ``model`` or its only one).
+    ``step`` is recorded in a ckptd output converted from HF or DCP (default: the source's step,
+    else 0).  ``progress(bytes_done, bytes_total)`` is called after each tensor read where
+    tensors are streamed (not for DCP -> ckptd or a consolidation).
 
     An existing ``destination`` raises :class:`~ckptd.errors.CheckpointExistsError` unless
     ``overwrite=True``, which replaces whatever is there (an earlier HF export too) once the new

@@ -77,7 +77,8 @@ class Tensors:
 
 def from_reader(path: str, component: str | None, storage_options: dict[str, Any] | None = None) -> Tensors:
     """The tensors of ``component`` (default: the model's) of a checkpoint that
-    :class:`~ckptd.load.reader.CheckpointReader` opens (ckptd, HF safetensors or ``.bin``)."""
+    :class:`~ckptd.load.reader.CheckpointReader` opens (ckptd, HF safetensors or ``.bin``), with
+    the source's ``config.json`` when ``component`` is the model (``model``, or the only one)."""
     from ..load.reader import CheckpointReader
     from ..save.layout import WriteItem, describe_tensors
 
@@ -85,8 +86,9 @@ def from_reader(path: str, component: str | None, storage_options: dict[str, Any
     name = component or reader.default_component()
     if name not in reader.components():
         raise ConfigError(f"{reader.directory} has no tensor component {name!r} (has {reader.components()})")
-    config = None
-    if HF_CONFIG in reader.storage.list_names(reader.directory):
+    config = None  # the model's configuration: never copied beside another component's tensors
+    is_model = name == "model" or reader.components() == [name]
+    if is_model and HF_CONFIG in reader.storage.list_names(reader.directory):
         config = reader.storage.read_bytes(reader.storage.join(reader.directory, HF_CONFIG))
     step = reader.manifest.step if reader.manifest is not None else None
     tied = reader.tied_groups(name)

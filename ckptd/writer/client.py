@@ -19,6 +19,7 @@ locking protocol over two modules.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import itertools
 import logging
@@ -107,6 +108,7 @@ class WriterClient:
         self._owner_pid = os.getpid()
         self.restarts = -1
         self.info: Hello | None = None
+        self._abandoned = False
         reset_in_fork_child(self)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -122,6 +124,8 @@ class WriterClient:
     def ensure_running(self) -> None:
         """Start the writer (or restart it after a crash) and attach every known arena."""
         self._check_owner()
+        if self._abandoned:
+            raise WriterError("the ckptd writer was stopped: the saves in flight were abandoned (Ctrl-C)")
         with self._lock:
             if not self.alive():
                 self._reap()
@@ -210,6 +214,20 @@ class WriterClient:
             self._reap(timeout=timeout)
             with self._arenas_lock:
                 self._arenas.clear()
+
+    def abandon(self) -> None:
+        """Stop the writer without letting it finish (a second Ctrl-C while waiting for saves):
+        its socket is shut down, so it abandons the write in flight, removes that save's
+        staging directory (aborting its multipart uploads) and exits; the requests waiting on it
+        fail with WriterError.  No writer is started again.  Returns at once: :meth:`close`
+        waits for the exit (and kills a writer that does not exit in time)."""
+        self._abandoned = True
+        with self._io_lock:
+            channel, self._channel = self._channel, None
+        if channel is not None:
+            with contextlib.suppress(OSError):
+                channel.sock.shutdown(socket.SHUT_RDWR)  # close() alone would not wake the reader thread
+            channel.close()
 
     def kill(self) -> None:
         """Kill the writer at once (tests and emergencies)."""

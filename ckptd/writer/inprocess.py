@@ -100,5 +100,9 @@ class InProcessWriter:
         self._checksums.shutdown(wait=False)
         self._arenas.clear()
 
+    def abandon(self) -> None:
+        """Stop the write in flight at its next chunk and refuse new ones (see ``WriterClient``)."""
+        self._stop.set()
+
     def kill(self) -> None:
         self._stop.set()

@@ -107,6 +107,7 @@ CONVERT = {
     "bytes": int,
     "config": bool,
     "seconds": (int, float),
+    "warnings": [str],
 }
 DEMO = {
     **ENVELOPE,
@@ -222,6 +223,7 @@ def test_verify_diff_json(incremental_root):
     assert document["verified"] and document["files"] == 4
     diff = run_json("diff", a, b, "--exact")
     check(diff, DIFF)
+    assert diff["_exit"] == 7  # differs
     assert diff["added"] == [] and diff["removed"] == []
     assert [(c["key"], c["reason"]) for c in diff["changed"]] == [("1.weight", "data")]
     assert diff["unchanged"] == 2
@@ -240,6 +242,7 @@ def test_gc_rm_consolidate_convert_json(incremental_root, tmp_path):
     converted = run_json("convert", flat, hf)
     check(converted, CONVERT)
     assert converted["format"] == "hf" and converted["tensors"] == 3
+    assert "--config" in converted["warnings"][0]  # no config.json: from_pretrained will need one
     exported = run_json("export-hf", flat, str(tmp_path / "hf2"))
     check(exported, CONVERT)
     removed = run_json("gc", root)

@@ -112,6 +112,7 @@ def golden(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     index = {"metadata": {"total_size": 88}, "weight_map": {k: n for n, keys in shards.items() for k in keys}}
     (hf / "model.safetensors.index.json").write_text(json.dumps(index))
     ckpt = ckptd.Checkpointer(str(base / "loader"))  # one writer process for the whole module
+    ckpt.health_check()  # its start (a thread opens /dev/null for the child) is over before a case watches opens
     yield {"ckptd": path, "hf": str(hf), "model": model, "data": state["data"], "checkpointer": ckpt}
     ckpt.close()
 

@@ -184,6 +184,30 @@ def test_keep_last_one_in_a_loop_of_async_saves_always_leaves_a_loadable_checkpo
     assert sorted(os.listdir(root)) == ["checkpoint-30"]
 
 
+def test_keep_last_three_keeps_exactly_three_self_contained_directories(root):
+    """Before 0.2.0, ``keep_last=3`` with ``incremental=True`` kept a fourth directory that a kept
+    one referenced.  Now exactly three remain, each loads on its own after the others are gone,
+    and the frozen files are shared by hard links (no extra space)."""
+    torch.manual_seed(0)
+    model = LoRAish()
+    with ckptd.Checkpointer(root, incremental=True, keep_last=3) as ckpt:
+        for step in range(1, 7):
+            step_forward(model)
+            ckpt.save(step, {"model": model})
+        assert ckpt.steps() == [4, 5, 6]
+    assert sorted(os.listdir(root)) == ["checkpoint-4", "checkpoint-5", "checkpoint-6"]
+    newest = os.path.join(root, "checkpoint-6")
+    linked = frozen_files(newest)
+    assert linked, "the frozen base was reused"
+    for name in linked:
+        inodes = {os.stat(os.path.join(root, f"checkpoint-{s}", name)).st_ino for s in (4, 5, 6)}
+        assert len(inodes) == 1, f"{name} is one file on disk, linked into each checkpoint"
+    shutil.rmtree(os.path.join(root, "checkpoint-4"))
+    shutil.rmtree(os.path.join(root, "checkpoint-5"))
+    with ckptd.Checkpointer(root) as ckpt:
+        assert_same(model.state_dict(), ckpt.load(6, verify=True)["model"])
+
+
 def gate_type(name: str) -> type:
     """A tensor type whose copy waits on its own gate: it holds one background staging open."""
     gate = threading.Event()
