@@ -26,6 +26,7 @@ import ckptd
 
 pytestmark = pytest.mark.multiprocess
 
+WAIT = 120.0  # seconds any one step may take on a loaded machine (a test that works waits far less)
 SIZE = 32 * 1024 * 1024  # bytes of the step-2 tensor: 128 writes of 256 KiB
 FIRST_WRITE_OF_STEP_2 = r"/\.checkpoint-2\.tmp-[^/]+/model-[^/]*\.safetensors$"
 WAITING = "ckptd: waiting for the save of step 2 to commit... Ctrl-C again to abandon it"
@@ -33,8 +34,13 @@ ABANDONING = "ckptd: abandoning the save of step 2 (not committed)"
 
 CHILD = textwrap.dedent(
     """
-    import atexit, json, logging, os, sys, time
+    import atexit, json, logging, os, signal, sys, time
     import torch, ckptd
+
+    # A trainer started from a terminal has Python's own SIGINT handler.  A test runner started in
+    # the background (`cmd &` in a script) ignores SIGINT, and its children inherit that: ckptd then
+    # rightly leaves Ctrl-C alone, so the trainer puts Python's handler back, as a terminal has it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     root, size, mode, options = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
     writer = []
@@ -138,7 +144,7 @@ def test_ctrl_c_ends_the_program_then_the_exit_explains_the_wait_and_a_second_ct
     root = str(tmp_path / "ckpts")
     child = Child(tmp_path, root, "interrupted", {}, ("write", FIRST_WRITE_OF_STEP_2))
     try:
-        wait_for(lambda: process_stopped(child.writer_pid))
+        wait_for(lambda: process_stopped(child.writer_pid), timeout=WAIT)
         child.sigint()  # in the training loop: the program ends on KeyboardInterrupt
         child.line(child.err, WAITING)  # at once: that Ctrl-C was the first
         child.sigint()
@@ -162,7 +168,7 @@ def test_ctrl_c_during_the_exit_wait_explains_it_and_a_second_abandons_a_frozen_
     root = str(tmp_path / "ckpts")
     child = Child(tmp_path, root, "exit", {}, ("write", FIRST_WRITE_OF_STEP_2))
     try:
-        wait_for(lambda: process_stopped(child.writer_pid))
+        wait_for(lambda: process_stopped(child.writer_pid), timeout=WAIT)
         child.line(child.out, "the exit waits for the save of step 2")  # the program has ended
         assert child.err == []  # a normal exit waits without a word, as before
         child.sigint()
@@ -184,7 +190,7 @@ def test_one_ctrl_c_during_the_exit_wait_lets_the_save_commit(tmp_path):
     root = str(tmp_path / "ckpts")
     child = Child(tmp_path, root, "exit", {}, ("write", FIRST_WRITE_OF_STEP_2))
     try:
-        wait_for(lambda: process_stopped(child.writer_pid))
+        wait_for(lambda: process_stopped(child.writer_pid), timeout=WAIT)
         child.line(child.out, "the exit waits for the save of step 2")
         child.sigint()
         child.line(child.err, WAITING)
@@ -213,7 +219,7 @@ def test_ctrl_c_twice_at_exit_aborts_the_multipart_upload_on_s3(tmp_path, s3):
     # frozen before its first part: the multipart upload is open
     child = Child(tmp_path, root, "interrupted", options, ("http", r"^PUT /[^ ]*/checkpoint-2/model-00001"))
     try:
-        wait_for(lambda: process_stopped(child.writer_pid))
+        wait_for(lambda: process_stopped(child.writer_pid), timeout=WAIT)
         assert len(s3.uploads()) == 1
         child.sigint()
         child.line(child.err, WAITING)
@@ -235,7 +241,18 @@ def test_ctrl_c_twice_at_exit_aborts_the_multipart_upload_on_s3(tmp_path, s3):
 
 
 @pytest.fixture
-def frozen_save(root: str) -> Any:
+def python_sigint() -> Any:
+    """Python's own SIGINT handler in this process, as a program started from a terminal has it
+    (a test runner started in the background ignores SIGINT: ckptd would rightly leave it alone)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
+def frozen_save(root: str, python_sigint: Any) -> Any:
     """A Checkpointer whose save of step 2 is pending: its writer froze at its first write."""
     with writers_strike("write", FIRST_WRITE_OF_STEP_2, whom="stop"):
         ckpt = ckptd.Checkpointer(root, chunk_size="256KiB")
@@ -243,7 +260,7 @@ def frozen_save(root: str) -> Any:
     ckpt.save(1, {"model": {"w": torch.ones(8)}})
     request = ckpt.async_save(2, {"model": {"w": torch.randn(SIZE // 4)}})
     pid = ckpt.writer_pid
-    wait_for(lambda: process_stopped(pid))
+    wait_for(lambda: process_stopped(pid), timeout=WAIT)
     try:
         yield ckpt, request, pid
     finally:
@@ -257,15 +274,17 @@ def press_ctrl_c(stderr: Any, times: int, writer_pid: int) -> threading.Thread:
     prints, then let the frozen writer go on once the abandon is announced."""
 
     def press() -> None:
-        wait_for(lambda: signal.getsignal(signal.SIGINT) is not signal.default_int_handler)
-        for _ in range(times):
-            if "Ctrl-C again" not in stderr.getvalue():
-                os.kill(os.getpid(), signal.SIGINT)
-                wait_for(lambda: "Ctrl-C again" in stderr.getvalue())
-            else:
-                os.kill(os.getpid(), signal.SIGINT)
-        wait_for(lambda: ABANDONING in stderr.getvalue())
-        os.kill(writer_pid, signal.SIGCONT)
+        try:
+            wait_for(lambda: signal.getsignal(signal.SIGINT) is not signal.default_int_handler, timeout=WAIT)
+            for _ in range(times):
+                if "Ctrl-C again" not in stderr.getvalue():
+                    os.kill(os.getpid(), signal.SIGINT)
+                    wait_for(lambda: "Ctrl-C again" in stderr.getvalue(), timeout=WAIT)
+                else:
+                    os.kill(os.getpid(), signal.SIGINT)
+            wait_for(lambda: ABANDONING in stderr.getvalue(), timeout=WAIT)
+        finally:  # whatever happened, the frozen writer goes on: the wait in close() ends, never hangs
+            os.kill(writer_pid, signal.SIGCONT)
 
     thread = threading.Thread(target=press, daemon=True)
     thread.start()
@@ -281,12 +300,12 @@ def test_close_explains_ctrl_c_and_a_second_abandons_the_saves_then_raises(froze
     presser = press_ctrl_c(stderr, 2, pid)
     with pytest.raises(KeyboardInterrupt):
         ckpt.close()
-    presser.join(30)
+    presser.join(WAIT)
     assert stderr.getvalue().splitlines() == [WAITING, ABANDONING]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
     with pytest.raises(ckptd.errors.WriterError, match="abandoned by Ctrl-C"):
         request.result(0)
-    wait_for(lambda: not pid_alive(pid), timeout=10)
+    wait_for(lambda: not pid_alive(pid), timeout=WAIT)
     with open("/proc/self/maps") as f:
         assert "ckptd-arena" not in f.read()
     assert staging_dirs(root) == []
@@ -303,9 +322,9 @@ def test_a_with_block_ended_by_ctrl_c_explains_at_once_and_the_next_ctrl_c_aband
     presser = press_ctrl_c(stderr, 1, pid)  # the line is there already: this one abandons
     with pytest.raises(KeyboardInterrupt), ckpt:
         raise KeyboardInterrupt  # Ctrl-C in the training loop inside `with Checkpointer(...)`
-    presser.join(30)
+    presser.join(WAIT)
     assert stderr.getvalue().splitlines() == [WAITING, ABANDONING]
     assert request.done() and request.exception() is not None
-    wait_for(lambda: not pid_alive(pid), timeout=10)
+    wait_for(lambda: not pid_alive(pid), timeout=WAIT)
     with ckptd.Checkpointer(root) as again:
         assert again.steps() == [1]
