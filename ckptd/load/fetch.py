@@ -28,6 +28,7 @@ from ..formats.safetensors import DTYPE_ITEMSIZE, MAX_TENSOR_BYTES, shape_fits
 from ..formats.torch_dtypes import TORCH_DTYPES, dtype_from_name, dtype_name
 from ..storage import RangeReader
 from .direct import read_local
+from .to_device import DeviceRequest, read_into_device
 
 DEFAULT_REMOTE_CONCURRENCY = 8
 """Remote files read at once (each with its own ranged GETs in flight)."""
@@ -38,6 +39,7 @@ __all__ = [
     "empty_tensor",
     "fetch_bin",
     "make_destinations",
+    "new_device_tensor",
     "plan_requests",
     "preview",
     "read_requests",
@@ -61,6 +63,23 @@ def empty_tensor(shape: tuple[int, ...], dtype: torch.dtype, what: str | Callabl
         return torch.empty(shape, dtype=dtype)
     except (RuntimeError, MemoryError) as e:
         raise AllocationError(f"{_text(what)}: cannot allocate {nbytes} bytes for shape {list(shape)} ({e})") from e
+
+
+def new_device_tensor(key: str, record: TensorRecord, device: torch.device, where: str) -> torch.Tensor:
+    """An empty tensor of ``record``'s shape and dtype on a CUDA ``device``, for a load that
+    fills it there; errors as :func:`empty_tensor` (an out-of-memory device: ``AllocationError``)."""
+    dtype = TORCH_DTYPES.get(record.dtype) or dtype_from_name(record.dtype, f" for tensor {key!r} in {where}")
+    nbytes = math.prod(record.shape) * dtype.itemsize
+    if nbytes > MAX_TENSOR_BYTES or (nbytes == 0 and not shape_fits(record.shape, dtype.itemsize)):
+        what = _describe(key, record, where)
+        raise CorruptCheckpointError(f"{what}: shape {list(record.shape)} is beyond any tensor")
+    try:
+        return torch.empty(record.shape, dtype=dtype, device=device)
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        raise AllocationError(
+            f"{_describe(key, record, where)}: cannot allocate {nbytes} bytes on {device} for shape "
+            f"{list(record.shape)} ({e})"
+        ) from e
 
 
 def _text(what: str | Callable[[], str]) -> str:
@@ -95,7 +114,11 @@ def _check_memory(nbytes: int, what: str | Callable[[], str]) -> None:
 
 
 def make_destinations(
-    keys: Iterable[str], records: Mapping[str, TensorRecord], targets: Mapping[str, Any], where: str
+    keys: Iterable[str],
+    records: Mapping[str, TensorRecord],
+    targets: Mapping[str, Any],
+    where: str,
+    device_reads: bool = False,
 ) -> dict[str, Destination]:
     """:meth:`Destination.make` for each key, after checking that the fresh tensors (keys
     without a target) fit this machine together: each one fitting alone is not enough."""
@@ -110,7 +133,7 @@ def make_destinations(
             largest = max(sizes, key=sizes.__getitem__)
             _check_memory(sizes[largest], lambda: _describe(largest, records[largest], where))
             _check_memory(sum(sizes.values()), f"{where}: {len(sizes)} tensors (the largest {largest!r})")
-    return {key: Destination.make(key, records[key], targets.get(key), where) for key in keys}
+    return {key: Destination.make(key, records[key], targets.get(key), where, device_reads) for key in keys}
 
 
 def tensor_memoryview(tensor: torch.Tensor) -> memoryview:
@@ -123,30 +146,40 @@ def tensor_memoryview(tensor: torch.Tensor) -> memoryview:
 
 @dataclass
 class Destination:
-    """Where one tensor's bytes land: ``buffer`` (contiguous, CPU, stored dtype, ``box`` shape),
-    then copied into ``target`` when that is not the buffer itself; ``result`` is what the read
-    returns for the key."""
+    """Where one tensor's bytes land: ``buffer`` (contiguous, stored dtype, ``box`` shape), then
+    copied into ``target`` when that is not the buffer itself; ``result`` is what the read
+    returns for the key.  ``buffer`` is in host memory, except with ``on_device``: then it is
+    the caller's CUDA tensor itself, filled through :mod:`.to_device`."""
 
     key: str
     box: Box
     buffer: torch.Tensor
     target: torch.Tensor | None
     result: Any
+    on_device: bool = False
 
     @classmethod
-    def make(cls, key: str, record: TensorRecord, target: Any, where: str) -> Destination:
+    def make(cls, key: str, record: TensorRecord, target: Any, where: str, device_reads: bool = False) -> Destination:
+        """``device_reads``: a contiguous CUDA target of the stored dtype is filled in place from
+        page-locked memory (the reader reads local files), instead of through a host copy."""
         dtype = TORCH_DTYPES.get(record.dtype) or dtype_from_name(record.dtype, f" for tensor {key!r} in {where}")
         if type(target) is torch.Tensor or type(target) is torch.nn.Parameter:
             # The common case first (a module's or a state dict's own tensor), without the checks
             # for sharded targets below.
             if tuple(target.shape) != tuple(record.shape):
                 _target_region(target, record, key, where)  # raises the size mismatch
-            if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
-                return cls(key, Box((0,) * target.dim(), tuple(target.shape)), target, None, target)
+            if target.dtype == dtype and target.is_contiguous():
+                box = Box((0,) * target.dim(), tuple(target.shape))
+                if target.device.type == "cpu":
+                    return cls(key, box, target, None, target)
+                if device_reads and target.device.type == "cuda":
+                    return cls(key, box, target, None, target, on_device=True)
         if target is None:
             buffer = empty_tensor(record.shape, dtype, lambda: _describe(key, record, where))
             return cls(key, Box((0,) * len(record.shape), record.shape), buffer, None, buffer)
         local, box, result = _target_region(target, record, key, where)
+        if device_reads and local.device.type == "cuda" and local.dtype == dtype and local.is_contiguous():
+            return cls(key, box, local, None, result, on_device=True)
         direct = local.device.type == "cpu" and local.dtype == dtype and local.is_contiguous()
         buffer = local if direct else empty_tensor(box.shape, dtype, lambda: _describe(key, record, where))
         return cls(key, box, buffer, None if direct else local, result)
@@ -187,37 +220,49 @@ def _target_region(target: Any, record: TensorRecord, key: str, where: str) -> t
 
 def plan_requests(
     records: Mapping[str, TensorRecord], destinations: Mapping[str, Destination], where: str
-) -> dict[str, list[tuple[int, memoryview]]]:
-    """``{file: [(offset, buffer), ...]}``: for every destination, the byte runs of each stored
-    chunk overlapping it (``where`` names the checkpoint in errors)."""
+) -> tuple[dict[str, list[tuple[int, memoryview]]], dict[str, list[DeviceRequest]]]:
+    """``({file: [(offset, buffer), ...]}, {file: [(offset, device bytes), ...]})``: for every
+    destination, the byte runs of each stored chunk overlapping it, into host memory, or into
+    the CUDA tensor of an ``on_device`` destination (``where`` names the checkpoint in errors)."""
     requests: dict[str, list[tuple[int, memoryview]]] = {}
+    device_requests: dict[str, list[DeviceRequest]] = {}
     for key, destination in destinations.items():
-        record = records[key]
-        itemsize = DTYPE_ITEMSIZE[record.dtype]
-        view = tensor_memoryview(destination.buffer)
-        covered = 0
-        if record.is_whole and destination.box.shape == record.shape:
-            # The common case: the whole stored tensor into a whole destination, one run.
-            if record.nbytes:
-                chunk = record.chunks[0]
-                requests.setdefault(chunk.file, []).append((chunk.start, view[: record.nbytes]))
+        if destination.on_device:
+            flat = destination.buffer.detach().reshape(-1).view(torch.uint8)
+            for file_name, offset, start, size in _byte_runs(records[key], destination, key, where):
+                device_requests.setdefault(file_name, []).append((offset, flat[start : start + size]))
             continue
-        for chunk in record.chunks:
-            chunk_box = Box(chunk.offset, chunk.shape)
-            overlap = intersect(chunk_box, destination.box)
-            if overlap is None or overlap.numel == 0:
-                continue
-            covered += overlap.numel
-            for src, dst, length in paired_runs(chunk_box, destination.box, overlap):
-                requests.setdefault(chunk.file, []).append(
-                    (chunk.start + src * itemsize, view[dst * itemsize : (dst + length) * itemsize])
-                )
-        if covered != destination.box.numel:
-            raise CorruptCheckpointError(
-                f"{where}: the stored pieces of {key!r} cover {covered} of the "
-                f"{destination.box.numel} elements asked for"
-            )
-    return requests
+        view = tensor_memoryview(destination.buffer)
+        for file_name, offset, start, size in _byte_runs(records[key], destination, key, where):
+            requests.setdefault(file_name, []).append((offset, view[start : start + size]))
+    return requests, device_requests
+
+
+def _byte_runs(
+    record: TensorRecord, destination: Destination, key: str, where: str
+) -> Iterable[tuple[str, int, int, int]]:
+    """``(file, offset in it, offset in the destination's bytes, bytes)`` of every stored run
+    that lands in ``destination``."""
+    if record.is_whole and destination.box.shape == record.shape:
+        # The common case: the whole stored tensor into a whole destination, one run.
+        if record.nbytes:
+            chunk = record.chunks[0]
+            yield chunk.file, chunk.start, 0, record.nbytes
+        return
+    itemsize = DTYPE_ITEMSIZE[record.dtype]
+    covered = 0
+    for chunk in record.chunks:
+        chunk_box = Box(chunk.offset, chunk.shape)
+        overlap = intersect(chunk_box, destination.box)
+        if overlap is None or overlap.numel == 0:
+            continue
+        covered += overlap.numel
+        for src, dst, length in paired_runs(chunk_box, destination.box, overlap):
+            yield chunk.file, chunk.start + src * itemsize, dst * itemsize, length * itemsize
+    if covered != destination.box.numel:
+        raise CorruptCheckpointError(
+            f"{where}: the stored pieces of {key!r} cover {covered} of the {destination.box.numel} elements asked for"
+        )
 
 
 def read_requests(
@@ -228,8 +273,11 @@ def read_requests(
     local: bool,
     concurrency: int = DEFAULT_REMOTE_CONCURRENCY,
     opened: Callable[[], None] | None = None,
+    device_requests: Mapping[str, list[DeviceRequest]] | None = None,
 ) -> None:
-    """Fill ``{file: [(offset, buffer), ...]}`` requests (several components' at once).
+    """Fill ``{file: [(offset, buffer), ...]}`` requests (several components' at once), and
+    ``device_requests`` (``{file: [(offset, CUDA byte tensor), ...]}``; local files only) through
+    :func:`~ckptd.load.to_device.read_into_device`.
 
     Every file is opened with ``open_file`` first, and its size checked against the furthest
     byte asked for; then ``opened()`` is called, before a byte is read (a reader checks there
@@ -239,11 +287,19 @@ def read_requests(
     remote files are read ``concurrency`` at once, each reader coalescing and parallelising its
     own ranges.
     """
+    device_requests = device_requests or {}
+    if device_requests and not local:
+        raise ValueError("reads straight into CUDA tensors are planned for local files only")
+    ends: dict[str, int] = {}
+    for file_name, wanted in requests.items():
+        ends[file_name] = max((offset + len(buffer) for offset, buffer in wanted), default=0)
+    for file_name, spans in device_requests.items():
+        end = max((offset + span.numel() for offset, span in spans), default=0)
+        ends[file_name] = max(ends.get(file_name, 0), end)
     readers: dict[str, RangeReader] = {}
     try:
-        for file_name, wanted in sorted(requests.items()):
+        for file_name, end in sorted(ends.items()):
             reader = readers[file_name] = open_file(file_name)
-            end = max((offset + len(buffer) for offset, buffer in wanted), default=0)
             if end > reader.size:
                 raise CorruptCheckpointError(
                     f"{path_of(file_name)}: file is truncated: {end} bytes needed, the file has {reader.size}"
@@ -254,8 +310,11 @@ def read_requests(
             # Through the descriptors opened above (in the checkpoint directory the load pinned),
             # never by name again: every byte comes from the version whose sizes were checked.
             jobs = [(readers[file_name], wanted) for file_name, wanted in sorted(requests.items())]
+            device_jobs = [(readers[file_name], spans) for file_name, spans in sorted(device_requests.items())]
             try:
                 read_local(jobs)
+                if device_jobs:
+                    read_into_device(device_jobs, read_local)
             except StorageError as e:
                 raise CorruptCheckpointError(f"cannot read tensors: {e}") from e
             return

@@ -70,11 +70,13 @@ from .fetch import (
     Destination,
     fetch_bin,
     make_destinations,
+    new_device_tensor,
     plan_requests,
     preview,
     read_requests,
 )
 from .pinning import OneVersion, holder
+from .to_device import DeviceRequest
 from .verify import file_crcs
 
 __all__ = [
@@ -562,7 +564,13 @@ class CheckpointReader:
             destinations = self._read_dcp(source, stored, stored_targets)
         else:
             records = self.locate(component, stored)
-            destinations = make_destinations(stored, records, stored_targets, self.directory)
+            device_reads = self.storage.local  # CUDA targets filled from page-locked memory (.to_device)
+            place = torch.device(device)
+            if device_reads and place.type == "cuda":
+                for key in stored:  # fresh tensors on the device: filled there, never in pageable memory
+                    if stored_targets.get(key) is None:
+                        stored_targets[key] = new_device_tensor(key, records[key], place, self.directory)
+            destinations = make_destinations(stored, records, stored_targets, self.directory, device_reads)
         return PendingRead(
             requested, source.aliases, records, destinations, frozenset(stored_targets), torch.device(device), verify
         )
@@ -584,10 +592,14 @@ class CheckpointReader:
         if to_verify:
             self.verify(to_verify)
         requests: dict[str, list[tuple[int, memoryview]]] = {}
+        device_requests: dict[str, list[DeviceRequest]] = {}
         for p in plans:
-            for file_name, wanted in plan_requests(p.records, p.destinations, self.directory).items():
+            host, device = plan_requests(p.records, p.destinations, self.directory)
+            for file_name, wanted in host.items():
                 requests.setdefault(file_name, []).extend(wanted)
-        self.check_files(requests)  # before the first byte lands in a target
+            for file_name, spans in device.items():
+                device_requests.setdefault(file_name, []).extend(spans)
+        self.check_files([*requests, *device_requests])  # before the first byte lands in a target
         tuning = getattr(self.storage, "tuning", None)
         concurrency = tuning.part_concurrency if tuning is not None else DEFAULT_REMOTE_CONCURRENCY
         with self._version.guard():
@@ -598,6 +610,7 @@ class CheckpointReader:
                 local=self.storage.local,
                 concurrency=concurrency,
                 opened=self._version.check_unchanged,
+                device_requests=device_requests,
             )
         self._version.check_unchanged()
         for p in plans:
