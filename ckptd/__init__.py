@@ -22,11 +22,14 @@ __all__ = [
     "CheckpointReader",
     "Checkpointer",
     "CheckpointerOptions",
+    "LoadSource",
+    "PromotionResult",
     "RNGState",
     "SaveRequest",
     "SaveResult",
     "ShardedTensor",
     "Sharing",
+    "Tier",
     "__version__",
     "consolidate",
     "convert",
@@ -49,11 +52,14 @@ _CORE = {
     "CheckpointManager": "manager",
     "CheckpointPolicy": "manager",
     "CheckpointReader": "load.reader",
+    "LoadSource": "tiers",
+    "PromotionResult": "tiers",
     "RNGState": "rng",
     "SaveRequest": "request",
     "SaveResult": "request",
     "ShardedTensor": "dist.sharding",
     "Sharing": "dist.group",
+    "Tier": "tiers",
     "consolidate": "tools.consolidate",
     "convert": "tools.convert",
     "export_hf": "tools.convert",
@@ -175,6 +181,7 @@ if TYPE_CHECKING:
     from .request import SaveRequest, SaveResult
     from .rng import RNGState
     from .stats import save_stats
+    from .tiers import LoadSource, PromotionResult, Tier
     from .tools.consolidate import consolidate
     from .tools.convert import convert, export_hf
 

@@ -27,8 +27,17 @@ import torch
 
 from .catalog import CheckpointInfo, checkpoint_dir_name, find_step, latest_checkpoint, list_checkpoints, read_manifest
 from .dist.group import DistContext, group_leaders
-from .errors import CheckpointNotFoundError, CheckpointReplacedError, CkptdError, ConfigError, WriterError
+from .errors import (
+    CheckpointNotFoundError,
+    CheckpointReplacedError,
+    CkptdError,
+    ConfigError,
+    CorruptCheckpointError,
+    StorageError,
+    WriterError,
+)
 from .formats.manifest import Manifest
+from .formats.names import parse_step
 from .garbage import collect_garbage
 from .load.assign import read_components, read_keys, reads_everything, restore_components
 from .load.reader import CheckpointReader
@@ -40,6 +49,7 @@ from .save.throttle import StepMonitor
 from .stats import StatsSummary
 from .storage import in_process_only, is_local, local_path, normalize_location, storage_for
 from .storage.cleanup import Cleanup
+from .tiers import LoadSource, Promoter, PromotionResult, Tier, copies_newest_first
 from .writer.client import InProcessWriter, WriterClient
 from .writer.owner import CtrlC, bind_to_process, check_process, exiting_on_ctrl_c, unbind
 
@@ -74,6 +84,11 @@ class Checkpointer:
             (the ``DEFAULT_*`` values, replaced by the ``CKPTD_*`` variables that are set).
         process_group: the torch.distributed group whose ranks save together (default: the
             default group when one is initialized; ``options.no_dist`` saves alone).
+        tiers: slower tiers (:class:`~ckptd.Tier`, fastest first), each another root receiving
+            a copy of every committed checkpoint whose step is a multiple of its ``every``, and
+            keeping its own ``keep_last``: ``[Tier("s3://bucket/run1", every=1000, keep_last=5)]``.
+            The copies are made in the background from the committed files (never staged
+            again); ``load`` then takes the newest step of any tier (see :meth:`load`).
         **overrides: any field of :class:`~ckptd.CheckpointerOptions` (``max_shard_size="2GB"``,
             ``keep_last=3``, ``storage_options={...}``, ``incremental=True``, ...), winning over
             ``options``.  An unknown name is a :class:`~ckptd.errors.ConfigError`.
@@ -91,6 +106,7 @@ class Checkpointer:
         options: CheckpointerOptions | None = None,
         *,
         process_group: Any = None,
+        tiers: Iterable[Tier] | None = None,
         **overrides: Any,
     ) -> None:
         self._owner_pid = os.getpid()
@@ -133,6 +149,19 @@ class Checkpointer:
             dist=self._dist,
             steps=self._steps,
         )
+        self._promoter: Promoter | None = None
+        tier_list = list(tiers or ())
+        if tier_list:
+            if any(not isinstance(t, Tier) for t in tier_list):
+                raise ConfigError("tiers must be ckptd.Tier objects")
+            roots = [self.root] + [normalize_location(t.root) for t in tier_list]
+            if len(set(roots)) != len(roots):
+                raise ConfigError(f"every tier needs a root of its own; got {roots}")
+            self._promoter = Promoter(self.storage, tier_list)
+            if self._dist is None or self._dist.is_coordinator:
+                self._saver.on_commit = self._promoter.submit
+        self.last_load: LoadSource | None = None
+        """Where the last successful :meth:`load` of a step read from (its tier and path)."""
         self._jobs: queue.Queue[tuple[Checkpointer, SaveJob] | None] = queue.Queue()
         self._pending: list[SaveRequest] = []
         self._pending_lock = threading.Lock()
@@ -176,9 +205,33 @@ class Checkpointer:
         return [info.step for info in self.checkpoints()]
 
     def latest_step(self) -> int | None:
-        """The highest committed step, or ``None`` if there is no checkpoint yet."""
+        """The highest committed step (of any tier, with ``tiers``), or ``None`` if there is no
+        checkpoint yet."""
+        if self._promoter is not None:
+            copies = copies_newest_first(self._tier_roots())
+            return copies[0].step if copies else None
         info = latest_checkpoint(self.storage, self.root)
         return info.step if info else None
+
+    # ---- tiers -----------------------------------------------------------------------------
+
+    @property
+    def tiers(self) -> list[Tier]:
+        """The slower tiers given at construction (empty without)."""
+        return [t.tier for t in self._promoter.tiers] if self._promoter is not None else []
+
+    def promotions(self) -> list[PromotionResult]:
+        """The promotions to slower tiers finished so far, in order (``error`` set on failures)."""
+        return list(self._promoter.results) if self._promoter is not None else []
+
+    def wait_promotions(self, timeout: float | None = None) -> bool:
+        """Wait until every committed checkpoint due for a slower tier has been copied (or has
+        failed); returns False if ``timeout`` seconds passed first."""
+        return self._promoter.wait(timeout) if self._promoter is not None else True
+
+    def _tier_roots(self) -> list[tuple[int, Any, str]]:
+        assert self._promoter is not None
+        return [(0, self.storage, self.root)] + [(t.index, t.storage, t.root) for t in self._promoter.tiers]
 
     def manifest(self, step: int | str = "latest") -> Manifest:
         """The manifest of a committed checkpoint (``"latest"``, a step, or a path)."""
@@ -411,6 +464,11 @@ class Checkpointer:
         saved with; components saved per rank come back as this rank's copy;
         ``sharing={"model": ("per_group", group)}`` picks this group's copy of a per-group save.
 
+        With ``tiers``, ``"latest"`` is the newest step committed in any tier, and a step is read
+        from the fastest tier holding it, its files' CRC32C checked first (``verify`` is on); a
+        copy that is missing, damaged or unreachable is skipped for the next tier's copy, then
+        for older steps, each with a warning.  :attr:`last_load` says which copy was read.
+
         A load reads one version of the checkpoint, never parts of two.  If the checkpoint is
         overwritten while it is read (another process saving the same step with
         ``overwrite=True``), the load starts again on the version now committed, up to
@@ -423,11 +481,48 @@ class Checkpointer:
         self._check_open()
         keys = None if keys is None else list(keys)  # read again by a retry
         components = None if components is None else list(components)
+        arguments = (into, components, keys, device, strict, assign, verify, allow_pickle, cache_dir, sharing)
+        if self._promoter is not None and (step == "latest" or (isinstance(step, int) and not isinstance(step, bool))):
+            return self._load_across_tiers(step, arguments)
+        path = self._resolve(step)
+        result = self._load_retrying(path, self.options.storage_options, arguments)
+        self.last_load = LoadSource(_step_of(path), 0, path)
+        return result
+
+    def _load_across_tiers(self, step: int | str, arguments: tuple[Any, ...]) -> Any:
+        """``load`` of ``"latest"`` or a step with tiers: the copies newest first, faster tier first."""
+        copies = copies_newest_first(self._tier_roots())
+        if step != "latest":
+            copies = [c for c in copies if c.step == step]
+        if not copies:
+            where = ", ".join(root for _, _, root in self._tier_roots())
+            which = "" if step == "latest" else f" of step {step}"
+            raise CheckpointNotFoundError(f"no committed checkpoint{which} in {where}")
+        assert self._promoter is not None
+        options = {0: self.options.storage_options, **{t.index: t.tier.storage_options for t in self._promoter.tiers}}
+        verified = (*arguments[:6], True, *arguments[7:])  # a damaged copy must fail before a target is written
+        failures: list[str] = []
+        for copy in copies:
+            try:
+                result = self._load_retrying(copy.path, options[copy.tier], verified)
+            except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
+                logger.warning("ckptd: cannot load step %d from tier %d (%s): %s", copy.step, copy.tier, copy.path, e)
+                failures.append(f"tier {copy.tier} {copy.path}: {e}")
+                continue
+            if failures:
+                logger.warning("ckptd: loaded step %d from tier %d (%s) instead", copy.step, copy.tier, copy.path)
+            else:
+                logger.info("ckptd: loaded step %d from tier %d (%s)", copy.step, copy.tier, copy.path)
+            self.last_load = LoadSource(copy.step, copy.tier, copy.path)
+            return result
+        raise CorruptCheckpointError("no tier holds a loadable copy: " + "; ".join(failures))
+
+    def _load_retrying(self, path: str, storage_options: dict[str, Any], arguments: tuple[Any, ...]) -> Any:
+        """One checkpoint path, loaded again if it is replaced while read (``LOAD_ATTEMPTS``)."""
+        step = path
         for attempt in range(1, LOAD_ATTEMPTS + 1):
             try:
-                return self._load_once(
-                    step, into, components, keys, device, strict, assign, verify, allow_pickle, cache_dir, sharing
-                )
+                return self._load_once(path, storage_options, *arguments)
             except (CheckpointReplacedError, CheckpointNotFoundError) as e:
                 # Not found after a replacement: an object-store overwrite between removing the old
                 # manifest and writing the new one.  Not found at first is the answer.
@@ -439,7 +534,8 @@ class Checkpointer:
 
     def _load_once(
         self,
-        step: int | str | os.PathLike[str],
+        path: str,
+        storage_options: dict[str, Any],
         into: Mapping[str, Any] | None,
         components: list[str] | None,
         keys: list[str] | None,
@@ -453,8 +549,8 @@ class Checkpointer:
     ) -> Any:
         """One try of :meth:`load`, on the version committed when it opens the checkpoint."""
         reader = CheckpointReader.open(
-            self._resolve(step),
-            self.options.storage_options,
+            path,
+            storage_options,
             require_manifest=True,
             cache_dir=cache_dir if cache_dir is not None else self.options.cache_dir,
             tuning=self.options.tuning,
@@ -612,6 +708,8 @@ class Checkpointer:
                 if parts is not None:
                     _, release, args, _ = parts
                     release(*args, wait=wait, abandon=abandon)
+                if self._promoter is not None:
+                    self._promoter.close(wait=wait and not abandon)  # the copies to slower tiers
         if abandon:
             if at_exit:
                 CtrlC.abandoned_at_exit = True
@@ -711,3 +809,8 @@ def _release(
     cleanup.drain(min(cleanup_timeout, _ABANDON_SECONDS) if abandon else cleanup_timeout if wait else 0.0)
     cleanup.close()
     unbind(exit_hook)
+
+
+def _step_of(path: str) -> int | None:
+    """The step a checkpoint directory's name says (``checkpoint-120`` -> 120), else ``None``."""
+    return parse_step(os.path.basename(path.rstrip("/")))

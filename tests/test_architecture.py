@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("ckptd.options", "ckptd.request", "ckptd.stats"),
     ("ckptd.formats", "ckptd.dist", "ckptd.writer"),
     ("ckptd.catalog", "ckptd.retention", "ckptd.garbage"),
-    ("ckptd.save", "ckptd.load"),
+    ("ckptd.save", "ckptd.load", "ckptd.tiers"),
     ("ckptd.checkpointer", "ckptd.rng"),
     ("ckptd.compat", "ckptd.tools", "ckptd.cli", "ckptd.manager", "ckptd.integrations", "ckptd.__main__"),
 ]

@@ -162,6 +162,8 @@ class Saver:
         self.describer = Describer(storage, root, dist)
         # This run's commits and the checkpoints its saves in flight read from (retention's view).
         self.run = RunRecord()
+        self.on_commit: Callable[[int | None, str, RunRecord], object] | None = None
+        """Called on the coordinator after each commit, before retention (the tiers' promoter)."""
         self.incremental = IncrementalPolicy(storage, root, options.incremental, self.run)
         self.coordinator: Coordinator = coordinator or (StoreCoordinator(dist) if dist else SoloCoordinator())
         self._plan: SavePlan | None = None  # one process: the last plan, reused for the same layout
@@ -597,6 +599,8 @@ class Saver:
         self.incremental.committed(path, manifest)
         self.run.committed(path)
         self._release_reuse(job)  # its files are linked or copied: retention may delete their source
+        if manifest is not None and self.on_commit is not None:
+            self.on_commit(job.request.step, path, self.run)  # slower tiers: pinned until copied (ckptd.tiers)
         if manifest is not None:
             if self.options.keep_last is not None:
                 removed = apply_retention(self.storage, self.root, self.options.keep_last, self.run, self.listed)

@@ -1,0 +1,324 @@
+"""Slower tiers: committed checkpoints copied to other roots in the background, each tier with its
+own cadence and retention, and loads that take the newest step from whichever tier holds it.
+
+A :class:`~ckptd.Checkpointer` saves to its root (the fastest tier: every save, ``keep_last``).
+Each :class:`Tier` given in ``tiers=[...]`` receives the checkpoints whose step is a multiple of
+its ``every``: once a save has committed, :class:`Promoter` (one thread per Checkpointer, on the
+coordinator rank) copies the committed files from the root to the tier, checking every byte's
+CRC32C against the manifest as it goes, writes the manifest last and publishes the copy as that
+tier's ``checkpoint-<step>`` (whole or invisible, as a save: a staging directory renamed on local
+disk, a claimed prefix and a create-only manifest on object stores), then applies the tier's
+``keep_last``.  Nothing is staged again and training never waits for a promotion: the copy reads
+the files the writer committed.  While a checkpoint is being promoted the root's retention keeps
+it (:class:`~ckptd.retention.RunRecord` in-use pins).  A crash during a promotion leaves the
+tier's previous checkpoints as they were and a staging leftover that ``ckptd gc`` removes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from crc32c import crc32c
+
+from ._version import __version__
+from .catalog import CheckpointInfo, list_checkpoints, read_manifest
+from .errors import CheckpointExistsError, ConfigError, CorruptCheckpointError
+from .formats.checksum import format_crc
+from .formats.manifest import MANIFEST_NAME
+from .formats.names import checkpoint_dir_name, leftover_name
+from .retention import RunRecord, apply_retention
+from .save.commit import claim_step, publish
+from .storage import Storage, normalize_location, storage_for
+from .storage.liveness import hold_new_directory
+
+__all__ = ["Copy", "LoadSource", "PromotionResult", "Promoter", "Tier", "copies_newest_first", "promote_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+COPY_PIECE = 8 * 1024 * 1024
+"""Bytes read from the source and handed to the tier's storage at a time."""
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A slower tier of a :class:`~ckptd.Checkpointer`: another root that receives a copy of every
+    committed checkpoint whose step is a multiple of ``every``, and keeps the ``keep_last``
+    newest of them (``None``: all).
+
+    ``root`` is a path or an fsspec URL (``s3://bucket/run1``); ``storage_options`` are passed to
+    fsspec for it (default: none).  Example: ``Tier("s3://bucket/run1", every=1000, keep_last=5)``.
+    """
+
+    root: str
+    every: int = 1
+    keep_last: int | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", os.fspath(self.root))
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ConfigError(f"Tier.every must be a positive number of steps, got {self.every!r}")
+        if self.keep_last is not None and (isinstance(self.keep_last, bool) or self.keep_last < 1):
+            raise ConfigError(f"Tier.keep_last must be >= 1 or None, got {self.keep_last!r}")
+        object.__setattr__(self, "storage_options", dict(self.storage_options or {}))
+
+    def receives(self, step: int | None) -> bool:
+        """Whether the checkpoint of ``step`` is promoted to this tier."""
+        return step is not None and step % self.every == 0
+
+
+@dataclass(frozen=True)
+class PromotionResult:
+    """A finished promotion: the step, the source checkpoint, the tier's copy and its outcome
+    (``error`` is ``None`` when the copy was committed; ``removed``: what the tier's retention
+    deleted after it)."""
+
+    step: int
+    source: str
+    path: str
+    tier: int
+    seconds: float
+    bytes_copied: int
+    error: BaseException | None = None
+    removed: tuple[str, ...] = ()
+
+
+class _OpenTier:
+    """A tier with its storage and its own run timeline (for its retention)."""
+
+    def __init__(self, index: int, tier: Tier) -> None:
+        self.index = index
+        self.tier = tier
+        self.root = normalize_location(tier.root)
+        self.storage = storage_for(self.root, tier.storage_options)
+        self.run = RunRecord()
+
+
+class Promoter:
+    """Copies committed checkpoints of ``source_root`` to the slower tiers, in commit order, on a
+    thread of its own.
+
+    :meth:`submit` is called by the save's completion after the commit, with the root's
+    :class:`RunRecord`: the source is pinned there until every tier due has its copy (or failed).
+    Failures are logged and kept in :attr:`results`; the next promotion goes on.  :meth:`close`
+    waits for the queued promotions, or with ``wait=False`` stops after the file being copied
+    (the unfinished copy is discarded).
+    """
+
+    def __init__(self, source: Storage, tiers: Sequence[Tier]) -> None:
+        self.source = source
+        self.tiers = [_OpenTier(index, tier) for index, tier in enumerate(tiers, start=1)]
+        for opened in self.tiers:
+            opened.storage.check_access(opened.root)
+        self.results: list[PromotionResult] = []
+        self._queue: queue.Queue[tuple[int, str, RunRecord] | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._idle = threading.Condition()
+        self._queued = 0
+        self._thread = threading.Thread(target=self._run, name="ckptd-promote", daemon=True)
+        self._thread.start()
+
+    def due(self, step: int | None) -> list[int]:
+        """The tiers (numbered from 1) that receive ``step``."""
+        return [t.index for t in self.tiers if t.tier.receives(step)]
+
+    def submit(self, step: int | None, path: str, run: RunRecord) -> bool:
+        """Queue the promotion of the committed checkpoint at ``path``; pins it in ``run`` until
+        done.  Returns whether any tier receives it."""
+        if step is None or not self.due(step) or self._stop.is_set():
+            return False
+        run.acquire([path])
+        with self._idle:
+            self._queued += 1
+        self._queue.put((step, path, run))
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every queued promotion is done; returns False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._queued:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self, wait: bool = True) -> None:
+        if not wait:
+            self._stop.set()
+        self._queue.put(None)
+        self._thread.join()
+
+    # ---- the thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            step, path, run = item
+            try:
+                for opened in self.tiers:
+                    if opened.tier.receives(step) and not self._stop.is_set():
+                        self.results.append(self._promote(step, path, opened))
+            finally:
+                run.release([path])
+                with self._idle:
+                    self._queued -= 1
+                    self._idle.notify_all()
+
+    def _promote(self, step: int, source: str, opened: _OpenTier) -> PromotionResult:
+        started = time.perf_counter()
+        final = opened.storage.join(opened.root, checkpoint_dir_name(step))
+        copied = 0
+        try:
+            copied = promote_checkpoint(self.source, source, opened.storage, final, stop=self._stop.is_set)
+        except CheckpointExistsError as e:
+            logger.info("ckptd: tier %d (%s) already holds step %d: %s", opened.index, opened.root, step, e)
+            return PromotionResult(step, source, final, opened.index, time.perf_counter() - started, 0, e)
+        except Exception as e:  # noqa: BLE001 - reported; the next promotion goes on
+            logger.error("ckptd: promotion of %s to tier %d (%s) failed: %s", source, opened.index, opened.root, e)
+            return PromotionResult(step, source, final, opened.index, time.perf_counter() - started, copied, e)
+        opened.run.committed(final)
+        removed: list[str] = []
+        if opened.tier.keep_last is not None:
+            removed = apply_retention(opened.storage, opened.root, opened.tier.keep_last, opened.run)
+            if removed:
+                logger.info("ckptd: tier %d keep_last=%d removed %s", opened.index, opened.tier.keep_last, removed)
+        seconds = time.perf_counter() - started
+        logger.info("ckptd: promoted step %d to tier %d (%s) in %.2f s", step, opened.index, final, seconds)
+        return PromotionResult(step, source, final, opened.index, seconds, copied, None, tuple(removed))
+
+
+class PromotionStopped(Exception):
+    """The Checkpointer was closed without waiting: the copy in progress is given up."""
+
+
+def promote_checkpoint(
+    source_storage: Storage,
+    source: str,
+    target_storage: Storage,
+    final: str,
+    *,
+    stop: Callable[[], bool] = lambda: False,
+) -> int:
+    """Copy the committed checkpoint at ``source`` to ``final`` on ``target_storage`` (another
+    root), whole or invisible: every file listed in the manifest is copied and its CRC32C checked
+    against the manifest (a mismatch raises :class:`CorruptCheckpointError` and nothing is
+    committed), then the manifest is written last and the copy published.  Returns the bytes
+    copied.  Raises :class:`CheckpointExistsError` if ``final`` is a checkpoint already."""
+    manifest = read_manifest(source_storage, source)
+    if manifest is None:
+        raise CorruptCheckpointError(f"{source}: no valid manifest to promote")
+    referencing = sorted(name for name, record in manifest.files.items() if record.checkpoint)
+    if referencing:
+        raise CorruptCheckpointError(
+            f"{source}: written by a ckptd version before 0.2 that references other checkpoints' files "
+            f"({referencing[0]}...); it is not promoted"
+        )
+    if target_storage.local:
+        if read_manifest(target_storage, final) is not None:
+            raise CheckpointExistsError(f"{final} already exists")
+        parent, base = os.path.split(final)
+        staging = os.path.join(parent, leftover_name(base, "tmp"))  # collect_garbage knows the name
+        held = hold_new_directory(staging, target_storage.makedirs)
+    else:
+        staging, held = final, None
+        claim_step(target_storage, final, overwrite=False)
+        target_storage.makedirs(staging)
+    copied = 0
+    try:
+        for subdirectory in sorted({name.rpartition("/")[0] for name in manifest.files} - {""}):
+            target_storage.makedirs(target_storage.join(staging, subdirectory))
+        for name, record in sorted(manifest.files.items()):
+            if stop():
+                raise PromotionStopped(f"promotion of {source} stopped by close(wait=False)")
+            pieces = _checked_pieces(source_storage, source_storage.join(source, name), record.size, record.crc32c)
+            written = target_storage.write_stream(target_storage.join(staging, name), pieces)
+            if written != record.size:
+                what = f"{source}/{name}"
+                raise CorruptCheckpointError(f"{what}: copied {written} bytes, the manifest lists {record.size}")
+            copied += written
+        promoted = dataclasses.replace(
+            manifest,
+            files={name: dataclasses.replace(record, reused=None) for name, record in manifest.files.items()},
+            metadata={**manifest.metadata, "promoted_from": source, "promoted_by": __version__},
+        )
+        target_storage.write_bytes(
+            target_storage.join(staging, MANIFEST_NAME), promoted.to_json(), create_only=not target_storage.local
+        )
+        publish(target_storage, staging, final, overwrite=False)
+    except BaseException:
+        target_storage.discard(staging)
+        raise
+    finally:
+        if held is not None:
+            held.release()
+    return copied
+
+
+def _checked_pieces(storage: Storage, path: str, size: int, expected: str) -> Iterator[memoryview]:
+    """The bytes of ``path`` in pieces, the last one only after the file's CRC32C matched."""
+    reader = storage.open_reader(path)
+    try:
+        if reader.size != size:
+            raise CorruptCheckpointError(f"{path}: {reader.size} bytes, the manifest lists {size}")
+        checksum, offset = 0, 0
+        while offset < size:
+            piece = memoryview(bytearray(min(COPY_PIECE, size - offset)))
+            reader.read_into(offset, piece)
+            checksum = crc32c(piece, checksum)
+            offset += len(piece)
+            if offset == size and format_crc(checksum) != expected:
+                raise CorruptCheckpointError(f"{path}: CRC32C {format_crc(checksum)}, the manifest lists {expected}")
+            yield piece
+        if size == 0 and format_crc(checksum) != expected:
+            raise CorruptCheckpointError(f"{path}: CRC32C {format_crc(checksum)}, the manifest lists {expected}")
+    finally:
+        reader.close()
+
+
+# ---- loads across tiers --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadSource:
+    """Where a :meth:`~ckptd.Checkpointer.load` read from: the step (``None`` for a path that
+    names none), the tier (0: the Checkpointer's root; 1, 2...: its ``tiers``) and the path."""
+
+    step: int | None
+    tier: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A committed checkpoint of a step in one tier (0: the Checkpointer's root)."""
+
+    step: int
+    tier: int
+    path: str
+    storage: Storage
+
+
+def copies_newest_first(roots: Sequence[tuple[int, Storage, str]]) -> list[Copy]:
+    """Every committed checkpoint of every tier, newest step first, the faster tier first within
+    a step.  A tier that cannot be listed is skipped with a warning (another may hold the step)."""
+    found: list[Copy] = []
+    for tier, storage, root in roots:
+        try:
+            listed: list[CheckpointInfo] = list_checkpoints(storage, root)
+        except Exception as e:  # noqa: BLE001 - an unreachable tier is one copy fewer, said in the log
+            logger.warning("ckptd: cannot list tier %d (%s): %s", tier, root, e)
+            continue
+        found.extend(Copy(info.step, tier, info.path, storage) for info in listed)
+    return sorted(found, key=lambda c: (-c.step, c.tier))

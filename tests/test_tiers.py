@@ -1,0 +1,211 @@
+"""Slower tiers (``Checkpointer(tiers=[Tier(...)])``): committed checkpoints copied in the
+background to other roots with their own cadence and retention, and loads that take the newest
+step from the fastest tier holding a good copy.  Real storage throughout: local directories and
+the loopback S3 server (through the fault proxy where a promotion must be caught mid-way)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+from typing import Any
+
+import pytest
+import torch
+from conftest import S3Place, assert_same, wait_for
+
+import ckptd
+from ckptd.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from ckptd.storage import storage_for
+from ckptd.tiers import promote_checkpoint
+
+
+def _state(step: int) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(64, 32, generator=generator), "b": torch.full((32,), float(step))},
+        "progress": {"step": step},
+    }
+
+
+def _shard(path: str) -> str:
+    return next(os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(".safetensors"))
+
+
+def _flip_a_tensor_byte(path: str) -> None:
+    """Damage a byte of tensor data (past the safetensors header), keeping the file's size."""
+    shard = _shard(path)
+    with open(shard, "r+b") as f:
+        header = int.from_bytes(f.read(8), "little")
+        f.seek(8 + header + 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_each_tier_keeps_its_own_cadence_and_retention_and_its_copies_load_on_their_own(tmp_path):
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    with ckptd.Checkpointer(fast, keep_last=2, tiers=[ckptd.Tier(slow, every=3, keep_last=2)]) as ckpt:
+        for step in range(1, 11):
+            ckpt.save(step, _state(step))
+        assert ckpt.wait_promotions(60)
+        promoted = [(p.step, p.tier, p.error) for p in ckpt.promotions()]
+        assert ckpt.latest_step() == 10
+    assert promoted == [(3, 1, None), (6, 1, None), (9, 1, None)]
+    assert sorted(os.listdir(fast)) == ["checkpoint-10", "checkpoint-9"]
+    assert sorted(os.listdir(slow)) == ["checkpoint-6", "checkpoint-9"]
+    with ckptd.Checkpointer(slow) as tier:  # a tier is an ordinary root: no link back to the fast one
+        for step in (6, 9):
+            assert_same(_state(step), tier.load(step, verify=True))
+            assert tier.manifest(step).metadata["promoted_from"] == os.path.join(fast, f"checkpoint-{step}")
+        assert all(f.reused is None for f in tier.manifest(9).files.values())
+
+
+def test_latest_is_the_newest_step_of_any_tier_and_last_load_names_the_copy(tmp_path):
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    with ckptd.Checkpointer(fast, tiers=[ckptd.Tier(slow, every=2)]) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, _state(step))
+        ckpt.wait_promotions(60)
+        assert_same(_state(4), ckpt.load())
+        assert (ckpt.last_load.step, ckpt.last_load.tier) == (4, 0)
+        ckpt.close()
+    for step in (3, 4):  # the fast tier lost its newest checkpoints (a node replaced, say)
+        ckptd_root_rm(fast, step)
+    with ckptd.Checkpointer(fast, tiers=[ckptd.Tier(slow, every=2)]) as ckpt:
+        assert ckpt.latest_step() == 4
+        model = {"w": torch.zeros(64, 32), "b": torch.zeros(32)}
+        progress: dict[str, Any] = {}
+        ckpt.load(into={"model": model, "progress": progress})
+        assert_same(_state(4), {"model": model, "progress": progress})
+        assert (ckpt.last_load.step, ckpt.last_load.tier) == (4, 1)
+        assert_same(_state(2), ckpt.load(2))
+        assert ckpt.last_load.tier == 0  # step 2 is in both: the fast copy is read
+        with pytest.raises(CheckpointNotFoundError, match="step 3"):
+            ckpt.load(3)
+
+
+def ckptd_root_rm(root: str, step: int) -> None:
+    import shutil
+
+    shutil.rmtree(os.path.join(root, f"checkpoint-{step}"))
+
+
+def test_a_damaged_fast_copy_is_skipped_for_the_slower_tiers_good_one(tmp_path, caplog):
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    with ckptd.Checkpointer(fast, tiers=[ckptd.Tier(slow)]) as ckpt:
+        path = ckpt.save(5, _state(5)).path
+        ckpt.wait_promotions(60)
+        _flip_a_tensor_byte(path)  # same size: only the checksum can tell
+        with caplog.at_level(logging.WARNING, logger="ckptd"):
+            loaded = ckpt.load()
+        assert_same(_state(5), loaded)  # the damaged bytes never reached the caller
+        assert (ckpt.last_load.step, ckpt.last_load.tier) == (5, 1)
+        assert "cannot load step 5 from tier 0" in caplog.text
+        _flip_a_tensor_byte(os.path.join(slow, "checkpoint-5"))
+        with pytest.raises(CorruptCheckpointError, match="no tier holds a loadable copy"):
+            ckpt.load()
+
+
+def test_a_damaged_source_is_never_promoted_and_leaves_nothing(tmp_path):
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    with ckptd.Checkpointer(fast) as ckpt:
+        path = ckpt.save(5, _state(5)).path
+    _flip_a_tensor_byte(path)
+    storage = storage_for(slow)
+    os.makedirs(slow)
+    with pytest.raises(CorruptCheckpointError, match="CRC32C"):
+        promote_checkpoint(storage, path, storage, os.path.join(slow, "checkpoint-5"))
+    assert os.listdir(slow) == []
+
+
+def test_tiers_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match="every"):
+        ckptd.Tier(str(tmp_path / "slow"), every=0)
+    with pytest.raises(ConfigError, match="keep_last"):
+        ckptd.Tier(str(tmp_path / "slow"), keep_last=0)
+    with pytest.raises(ConfigError, match="root of its own"):
+        ckptd.Checkpointer(str(tmp_path / "fast"), tiers=[ckptd.Tier(str(tmp_path / "fast"))])
+
+
+# ---- an object-store tier --------------------------------------------------------------------
+
+
+def _is_shard_put(step: int) -> Any:
+    return lambda method, path: method == "PUT" and f"checkpoint-{step}/model-" in path
+
+
+@pytest.mark.objectstore
+def test_an_s3_tier_receives_its_steps_and_close_waits_for_the_copy(s3: S3Place, tmp_path):
+    pytest.importorskip("s3fs")
+    fast = str(tmp_path / "fast")
+    tier = ckptd.Tier(s3.url("tier"), every=2, keep_last=1, storage_options=s3.options())
+    with ckptd.Checkpointer(fast, tiers=[tier]) as ckpt:
+        for step in (1, 2, 3, 4):
+            ckpt.save(step, _state(step))
+    # close() waited for the promotions: step 4 is there, step 2 was removed by the tier's keep_last
+    with ckptd.Checkpointer(s3.url("tier"), storage_options=s3.options()) as remote:
+        assert remote.steps() == [4]
+        assert_same(_state(4), remote.load(4, verify=True))
+    assert not s3.uploads()
+
+
+@pytest.mark.objectstore
+def test_a_checkpoint_being_promoted_is_kept_by_the_fast_tiers_retention(s3: S3Place, proxy, tmp_path):
+    pytest.importorskip("s3fs")
+    fast = str(tmp_path / "fast")
+    proxy.inject("stall", 1, _is_shard_put(1))  # the promotion of step 1 hangs in its first upload
+    # A long read timeout: the stalled upload is retried when the test lets it go, not before.
+    options = {**s3.options(proxy.url), "config_kwargs": {"read_timeout": 300}}
+    tier = ckptd.Tier(s3.url("tier"), storage_options=options)
+    with ckptd.Checkpointer(fast, keep_last=1, tiers=[tier]) as ckpt:
+        try:
+            ckpt.save(1, _state(1))
+            wait_for(lambda: proxy.injected, timeout=60)
+            ckpt.save(2, _state(2))  # keep_last=1 would delete step 1 now, were it not being copied
+            ckpt.save(3, _state(3))
+            assert os.path.isdir(os.path.join(fast, "checkpoint-1"))
+        finally:
+            proxy.release_stalls()  # the upload is retried and the copy goes on from the files kept
+        assert ckpt.wait_promotions(120)
+        assert [p.error for p in ckpt.promotions()] == [None, None, None]
+        ckpt.save(4, _state(4))  # the next retention may delete step 1 now
+        assert sorted(os.listdir(fast)) == ["checkpoint-4"]
+    with ckptd.Checkpointer(s3.url("tier"), storage_options=s3.options()) as remote:
+        assert remote.steps() == [1, 2, 3, 4]
+        assert_same(_state(1), remote.load(1, verify=True))
+
+
+def _save_then_hang(fast: str, tier_url: str, options: dict[str, Any]) -> None:
+    with ckptd.Checkpointer(fast, tiers=[ckptd.Tier(tier_url, storage_options=options)]) as ckpt:
+        ckpt.save(1, _state(1))
+        ckpt.wait_promotions(120)
+        ckpt.save(2, _state(2))  # its promotion stalls; the parent kills this process meanwhile
+        signal.pause()
+
+
+@pytest.mark.objectstore
+@pytest.mark.multiprocess
+def test_a_trainer_killed_mid_promotion_leaves_the_tiers_last_copy_whole(s3: S3Place, proxy, tmp_path):
+    pytest.importorskip("s3fs")
+    fast = str(tmp_path / "fast")
+    proxy.inject("stall", 1, _is_shard_put(2))
+    context = multiprocessing.get_context("spawn")
+    trainer = context.Process(target=_save_then_hang, args=(fast, s3.url("tier"), s3.options(proxy.url)))
+    trainer.start()
+    try:
+        wait_for(lambda: proxy.injected, timeout=120)
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.join(60)
+    finally:
+        if trainer.is_alive():
+            trainer.kill()
+            trainer.join()
+        proxy.release_stalls()
+    with ckptd.Checkpointer(s3.url("tier"), storage_options=s3.options()) as remote:
+        assert remote.steps() == [1]  # step 2's objects hold no manifest: not a checkpoint
+        assert_same(_state(1), remote.load(1, verify=True))
+    with ckptd.Checkpointer(fast, tiers=[ckptd.Tier(s3.url("tier"), storage_options=s3.options())]) as ckpt:
+        assert_same(_state(2), ckpt.load())  # the fast tier committed step 2 before the kill
+        assert ckpt.last_load.tier == 0
