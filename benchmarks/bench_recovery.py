@@ -1,0 +1,273 @@
+#!/usr/bin/env python
+"""Recovery with tiers: what a save costs training with slower tiers behind it, and how long a new
+process takes to get its state back from each tier.
+
+Two parts, on one state of ``--size-mib`` MiB (float32 tensors of a transformer-like mix):
+
+1. **Save cost** (interleaved rounds: one tier, then with tiers, ...): a CPU training step (a
+   matrix product of the size of a small model's step) runs in a loop; a save is started with
+   ``async_save`` and the loop goes on until the save is committed and (with tiers) copied to
+   every tier.  Per configuration: how long ``async_save`` blocked, when the save committed, when
+   the last copy was done, and the loop's steps while all that ran against its steps with no save
+   (median step time ratio).  Configurations: one tier (local disk); + a local tier (another
+   directory, ``every=1``); + an S3 tier (moto on loopback, ``every=1``).
+2. **Restore** (each a fresh process, after the trainer process ended): from process start to the
+   state loaded into live tensors, and the load alone, from: the local tier with the files in the
+   page cache; the same after ``posix_fadvise(DONTNEED)`` (cold); the slower local tier (the fast
+   tier's copy removed); the S3 tier.  The memory tier and peer replicas are not built yet: their
+   rows say so.
+
+Then a goodput table from the measured figures (``goodput``, formula in its docstring).
+
+Example::
+
+    python benchmarks/bench_recovery.py --quick          # 128 MiB, 2 rounds: a few minutes
+    python benchmarks/bench_recovery.py --size-mib 1024 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from floors import drop_from_page_cache
+
+import ckptd
+
+CREDENTIALS = {"key": "testing", "secret": "testing"}
+
+
+def make_state(size_mib: int) -> dict[str, torch.Tensor]:
+    """Square-ish float32 tensors adding up to ``size_mib`` MiB (32 of them)."""
+    generator = torch.Generator().manual_seed(0)
+    per = size_mib * 1024 * 1024 // 4 // 32
+    return {f"layers.{i}.weight": torch.randn(per, generator=generator) for i in range(32)}
+
+
+@contextlib.contextmanager
+def moto_endpoint() -> Iterator[str]:
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                 aws_secret_access_key="testing").create_bucket(Bucket="tiers")  # fmt: skip
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+
+
+class Steps:
+    """A training-step loop on a thread: ``window()`` times the steps between two moments."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(1)
+        self.a = torch.randn(384, 384)
+        self.b = torch.randn(384, 384)
+        self.times: list[tuple[float, float]] = []  # (start, seconds)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            for _ in range(8):
+                torch.mm(self.a, self.b)
+            self.times.append((started, time.perf_counter() - started))
+
+    def between(self, start: float, end: float) -> list[float]:
+        return [s for t, s in list(self.times) if start <= t and t + s <= end]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def save_round(state: dict[str, torch.Tensor], root: str, tiers: list[ckptd.Tier], steps: Steps) -> dict[str, float]:
+    """One save with ``tiers``: blocking, committed, copied (seconds from the call) and the step
+    time ratio during that window against the same length of quiet steps just before."""
+    with ckptd.Checkpointer(root, tiers=tiers, keep_last=2) as ckpt:
+        ckpt.save(0, {"model": state})  # the arena exists and the writer runs: a warm save is measured
+        ckpt.wait_promotions()
+        time.sleep(1.0)
+        quiet_start = time.perf_counter()
+        time.sleep(1.0)
+        started = time.perf_counter()
+        request = ckpt.async_save(1, {"model": state})
+        blocking = time.perf_counter() - started
+        request.wait()
+        committed = time.perf_counter() - started
+        ckpt.wait_promotions()
+        copied = time.perf_counter() - started
+        ended = time.perf_counter()
+        errors = [p.error for p in ckpt.promotions() if p.error is not None]
+        if errors:
+            raise SystemExit(f"a promotion failed: {errors[0]}")
+    quiet = steps.between(quiet_start, started)
+    during = steps.between(started + blocking, max(ended, started + blocking + 0.05))
+    return {
+        "blocking": blocking,
+        "committed": committed,
+        "copied": copied,
+        "step_quiet": statistics.median(quiet) if quiet else float("nan"),
+        "step_during": statistics.median(during) if during else float("nan"),
+    }
+
+
+RESTORE = r"""
+import sys, time, json
+began = float(sys.argv[1])
+import torch, ckptd
+tiers = [ckptd.Tier(**t) for t in json.loads(sys.argv[3])]
+targets = {k: torch.empty(tuple(s)) for k, s in json.loads(sys.argv[4]).items()}
+with ckptd.Checkpointer(sys.argv[2], tiers=tiers) as ckpt:
+    started = time.time()
+    ckpt.load("latest", into={"model": targets})
+    done = time.time()
+    print(json.dumps({"total": done - began, "load": done - started, "tier": ckpt.last_load.tier}))
+"""
+
+
+def restore(root: str, tiers: list[dict[str, Any]], shapes: dict[str, list[int]]) -> dict[str, float]:
+    """A fresh process restoring the newest step into live tensors."""
+    arguments = [root, json.dumps(tiers), json.dumps(shapes)]
+    done = subprocess.run(
+        [sys.executable, "-c", RESTORE, str(time.time()), *arguments], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"restore failed: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def goodput(interval_s: float, save_cost_s: float, restore_s: float, failures_per_hour: float) -> float:
+    """Fraction of time spent on useful training, for saves every ``interval_s`` seconds that
+    cost training ``save_cost_s`` each (blocking plus slowdown), with ``failures_per_hour``
+    failures, each losing half an interval of work on average plus ``restore_s`` to get back:
+
+        goodput = (1 - save_cost_s / interval_s) * (1 - failures_per_second * (interval_s / 2 + restore_s))
+    """
+    rate = failures_per_hour / 3600
+    return max(0.0, (1 - save_cost_s / interval_s) * (1 - rate * (interval_s / 2 + restore_s)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="128 MiB, 2 rounds")
+    parser.add_argument("--no-s3", action="store_true", help="skip the S3 tier (moto)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.quick:
+        args.size_mib, args.rounds = 128, 2
+    state = make_state(args.size_mib)
+    shapes = {k: list(v.shape) for k, v in state.items()}
+    work = tempfile.mkdtemp(prefix="bench-recovery-")
+    figures: dict[str, Any] = {"size_mib": args.size_mib, "rounds": args.rounds, "save": {}, "restore": {}}
+    stack = contextlib.ExitStack()
+    try:
+        endpoint = None if args.no_s3 else stack.enter_context(moto_endpoint())
+        s3 = {"endpoint_url": endpoint, **CREDENTIALS} if endpoint else None
+        configurations: dict[str, Any] = {
+            "one tier (local)": lambda r: [],
+            "+ local tier": lambda r: [ckptd.Tier(os.path.join(work, f"slow-{r}"), keep_last=2)],
+        }
+        if s3 is not None:
+            configurations["+ S3 tier"] = lambda r: [ckptd.Tier(f"s3://tiers/{r}", keep_last=2, storage_options=s3)]
+        steps = Steps()
+        try:
+            for index in range(args.rounds):  # interleaved: every configuration once per round
+                for number, (name, tiers) in enumerate(configurations.items()):
+                    label = f"{index}-{number}"
+                    root = os.path.join(work, f"fast-{label}")
+                    figures["save"].setdefault(name, []).append(save_round(state, root, tiers(label), steps))
+                    shutil.rmtree(root, ignore_errors=True)
+                    shutil.rmtree(os.path.join(work, f"slow-{label}"), ignore_errors=True)
+        finally:
+            steps.stop()
+
+        # ---- restore -------------------------------------------------------------------------
+        fast, slow = os.path.join(work, "restore-fast"), os.path.join(work, "restore-slow")
+        tiers: list[ckptd.Tier] = [ckptd.Tier(slow)]
+        tier_args: list[dict[str, Any]] = [{"root": slow}]
+        if s3 is not None:
+            tiers.append(ckptd.Tier("s3://tiers/restore", storage_options=s3))
+            tier_args.append({"root": "s3://tiers/restore", "storage_options": s3})
+        with ckptd.Checkpointer(fast, tiers=tiers) as ckpt:
+            ckpt.save(7, {"model": state})
+        rows = figures["restore"]
+        files = [os.path.join(dirpath, n) for dirpath, _, names in os.walk(fast) for n in names]
+        for _ in range(args.rounds):
+            for path in files:  # warm: read once through the page cache
+                with open(path, "rb") as f:
+                    while f.read(16 << 20):
+                        pass
+            rows.setdefault("local tier 0, page cache warm", []).append(restore(fast, tier_args, shapes))
+            drop_from_page_cache(files)
+            rows.setdefault("local tier 0, cold", []).append(restore(fast, tier_args, shapes))
+        os.rename(os.path.join(fast, "checkpoint-7"), os.path.join(work, "moved-away"))
+        for _ in range(args.rounds):
+            rows.setdefault("local tier 1 (tier 0 lost)", []).append(restore(fast, tier_args, shapes))
+        if s3 is not None:
+            shutil.rmtree(os.path.join(slow, "checkpoint-7"))
+            for _ in range(args.rounds):
+                rows.setdefault("S3 tier 2 (tiers 0 and 1 lost)", []).append(restore(fast, tier_args, shapes))
+    finally:
+        stack.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"{args.size_mib} MiB, {args.rounds} rounds")
+    print("save cost                blocking  committed  copied   step during / quiet")
+    summary: dict[str, dict[str, float]] = {}
+    for name, outcomes in figures["save"].items():
+        med = {k: statistics.median(o[k] for o in outcomes) for k in outcomes[0]}
+        ratio = statistics.median(o["step_during"] / o["step_quiet"] for o in outcomes)
+        summary[name] = {**med, "step_ratio": ratio}
+        print(f"  {name:<22} {med['blocking']:7.3f}s {med['committed']:8.3f}s {med['copied']:7.3f}s   {ratio:.2f}x")
+    print("restore (fresh process)  start->restored   load alone   tier read")
+    restored: dict[str, float] = {}
+    for name, outcomes in figures["restore"].items():
+        total = statistics.median(o["total"] for o in outcomes)
+        load = statistics.median(o["load"] for o in outcomes)
+        restored[name] = total
+        print(f"  {name:<32} {total:6.2f}s {load:10.2f}s   {outcomes[0]['tier']}")
+    print("  memory tier, peer replica: not built yet (issue 28 items 3 and 4)")
+    figures["summary"] = summary
+    one = summary["one tier (local)"]
+    cost = one["blocking"]  # what training waits for; the slowdown while writing is reported above
+    warm = restored.get("local tier 0, page cache warm", float("nan"))
+    print("goodput (save every N s, 1 failure per H hours, restored from the warm local tier)")
+    for interval in (60.0, 600.0, 1800.0):
+        for hours in (1.0, 24.0):
+            value = goodput(interval, cost, warm, 1 / hours)
+            print(f"  every {interval:6.0f}s  failure every {hours:4.0f}h  goodput {value:.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
