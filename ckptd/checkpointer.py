@@ -519,7 +519,6 @@ class Checkpointer:
 
     def _load_retrying(self, path: str, storage_options: dict[str, Any], arguments: tuple[Any, ...]) -> Any:
         """One checkpoint path, loaded again if it is replaced while read (``LOAD_ATTEMPTS``)."""
-        step = path
         for attempt in range(1, LOAD_ATTEMPTS + 1):
             try:
                 return self._load_once(path, storage_options, *arguments)
@@ -528,7 +527,7 @@ class Checkpointer:
                 # manifest and writing the new one.  Not found at first is the answer.
                 if attempt == LOAD_ATTEMPTS or (attempt == 1 and isinstance(e, CheckpointNotFoundError)):
                     raise
-                logger.info("ckptd: load of %s: %s; loading again (try %d of %d)", step, e, attempt + 1, LOAD_ATTEMPTS)
+                logger.info("ckptd: load of %s: %s; loading again (try %d of %d)", path, e, attempt + 1, LOAD_ATTEMPTS)
                 time.sleep(_REPLACED_DELAY * (3 ** (attempt - 2)) if attempt > 1 else 0.0)
         raise AssertionError("unreachable")  # pragma: no cover - the last try returns or raises
 

@@ -185,6 +185,9 @@ class Promoter:
         except CheckpointExistsError as e:
             logger.info("ckptd: tier %d (%s) already holds step %d: %s", opened.index, opened.root, step, e)
             return PromotionResult(step, source, final, opened.index, time.perf_counter() - started, 0, e)
+        except PromotionStopped as e:
+            logger.info("ckptd: %s", e)
+            return PromotionResult(step, source, final, opened.index, time.perf_counter() - started, copied, e)
         except Exception as e:  # noqa: BLE001 - reported; the next promotion goes on
             logger.error("ckptd: promotion of %s to tier %d (%s) failed: %s", source, opened.index, opened.root, e)
             return PromotionResult(step, source, final, opened.index, time.perf_counter() - started, copied, e)
