@@ -209,3 +209,22 @@ def test_a_trainer_killed_mid_promotion_leaves_the_tiers_last_copy_whole(s3: S3P
     with ckptd.Checkpointer(fast, tiers=[ckptd.Tier(s3.url("tier"), storage_options=s3.options())]) as ckpt:
         assert_same(_state(2), ckpt.load())  # the fast tier committed step 2 before the kill
         assert ckpt.last_load.tier == 0
+
+
+def test_a_manager_resumes_from_the_slower_tier_when_the_fast_one_lost_its_copies(tmp_path):
+    from ckptd.manager import CheckpointManager, CheckpointPolicy
+
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    with CheckpointManager(fast, CheckpointPolicy(keep_last=1), tiers=[ckptd.Tier(slow, every=2)]) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _state(step))
+        manager.checkpointer.wait_promotions(60)
+    # (the fast tier may still hold step 2: kept while it was being copied, it goes at the next retention)
+    assert "checkpoint-3" in os.listdir(fast) and sorted(os.listdir(slow)) == ["checkpoint-2"]
+    for name in os.listdir(fast):  # the fast tier is lost (a replaced node's local disk)
+        if name.startswith("checkpoint-"):
+            ckptd_root_rm(fast, int(name.removeprefix("checkpoint-")))
+    with CheckpointManager(fast, CheckpointPolicy(keep_last=1), tiers=[ckptd.Tier(slow, every=2)]) as manager:
+        assert manager.latest() == 2
+        assert_same(_state(2), manager.load("latest"))
+        assert manager.checkpointer.last_load.tier == 1
