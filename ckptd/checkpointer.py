@@ -490,31 +490,47 @@ class Checkpointer:
         return result
 
     def _load_across_tiers(self, step: int | str, arguments: tuple[Any, ...]) -> Any:
-        """``load`` of ``"latest"`` or a step with tiers: the copies newest first, faster tier first."""
-        copies = copies_newest_first(self._tier_roots())
+        """``load`` of ``"latest"`` or a step with tiers: the steps newest first, each from the
+        fastest tier whose copy verifies.  Under torch.distributed every rank loads the same
+        step: the coordinator's listing names the steps to try, and a step counts as loaded only
+        once every rank has loaded it (else every rank goes on to the next older step)."""
+        assert self._promoter is not None
+        roots = self._tier_roots()
+        steps = sorted({c.step for c in copies_newest_first(roots)}, reverse=True)
         if step != "latest":
-            copies = [c for c in copies if c.step == step]
-        if not copies:
-            where = ", ".join(root for _, _, root in self._tier_roots())
+            steps = [s for s in steps if s == step]
+        if self._dist is not None:
+            steps = self._dist.all_gather(steps)[self._dist.coordinator]  # one list for every rank
+        if not steps:
+            where = ", ".join(root for _, _, root in roots)
             which = "" if step == "latest" else f" of step {step}"
             raise CheckpointNotFoundError(f"no committed checkpoint{which} in {where}")
-        assert self._promoter is not None
         options = {0: self.options.storage_options, **{t.index: t.tier.storage_options for t in self._promoter.tiers}}
         verified = (*arguments[:6], True, *arguments[7:])  # a damaged copy must fail before a target is written
         failures: list[str] = []
-        for copy in copies:
-            try:
-                result = self._load_retrying(copy.path, options[copy.tier], verified)
-            except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
-                logger.warning("ckptd: cannot load step %d from tier %d (%s): %s", copy.step, copy.tier, copy.path, e)
-                failures.append(f"tier {copy.tier} {copy.path}: {e}")
+        for candidate in steps:
+            result, source = None, None
+            for tier, storage, root in roots:
+                path = find_step(storage, root, candidate)
+                if path is None:
+                    continue
+                try:
+                    result = self._load_retrying(path, options[tier], verified)
+                except (CorruptCheckpointError, StorageError, CheckpointNotFoundError) as e:
+                    logger.warning("ckptd: cannot load step %d from tier %d (%s): %s", candidate, tier, path, e)
+                    failures.append(f"tier {tier} {path}: {e}")
+                    continue
+                source = LoadSource(candidate, tier, path)
+                break
+            if self._dist is not None and not all(self._dist.all_gather(source is not None)):
+                logger.warning("ckptd: step %d was not loaded on every rank; every rank tries an older one", candidate)
+                failures.append(f"step {candidate}: not loaded on every rank")
                 continue
-            if failures:
-                logger.warning("ckptd: loaded step %d from tier %d (%s) instead", copy.step, copy.tier, copy.path)
-            else:
-                logger.info("ckptd: loaded step %d from tier %d (%s)", copy.step, copy.tier, copy.path)
-            self.last_load = LoadSource(copy.step, copy.tier, copy.path)
-            return result
+            if source is not None:
+                log = logger.warning if failures else logger.info
+                log("ckptd: loaded step %d from tier %d (%s)", source.step, source.tier, source.path)
+                self.last_load = source
+                return result
         raise CorruptCheckpointError("no tier holds a loadable copy: " + "; ".join(failures))
 
     def _load_retrying(self, path: str, storage_options: dict[str, Any], arguments: tuple[Any, ...]) -> Any:

@@ -228,3 +228,40 @@ def test_a_manager_resumes_from_the_slower_tier_when_the_fast_one_lost_its_copie
         assert manager.latest() == 2
         assert_same(_state(2), manager.load("latest"))
         assert manager.checkpointer.last_load.tier == 1
+
+
+# ---- under torch.distributed -----------------------------------------------------------------
+
+
+def _save_two_ranks(rank: int, world: int, fast: str, slow: str) -> int:
+    with ckptd.Checkpointer(fast, dist_timeout=60, tiers=[ckptd.Tier(slow, every=2)]) as ckpt:
+        for step in (2, 4):
+            mine = {"v": torch.full((5,), float(100 * rank + step))}
+            ckpt.save(step, {"model": _state(step)["model"], "mine": mine}, sharing={"mine": "per_rank"})
+        ckpt.wait_promotions(120)
+    return 0
+
+
+def _load_two_ranks(rank: int, world: int, fast: str, slow: str) -> dict[str, Any]:
+    with ckptd.Checkpointer(fast, dist_timeout=60, tiers=[ckptd.Tier(slow, every=2)]) as ckpt:
+        loaded = ckpt.load()
+        return {"step": ckpt.last_load.step, "tier": ckpt.last_load.tier, "mine": loaded["mine"]["v"]}
+
+
+@pytest.mark.distributed
+@pytest.mark.multiprocess
+def test_every_rank_loads_the_same_step_when_one_rank_cannot_load_the_newest(tmp_path):
+    from distributed import run_ranks
+
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    run_ranks(2, _save_two_ranks, fast, slow)
+    for root in (fast, slow):  # rank 1's own file of step 4 is damaged in both tiers; rank 0's is whole
+        shard = os.path.join(root, "checkpoint-4", "mine@rank1-00001-of-00001.safetensors")
+        with open(shard, "r+b") as f:
+            f.seek(-4, os.SEEK_END)
+            f.write(b"\xff\xff\xff\xff")
+    outcomes = run_ranks(2, _load_two_ranks, fast, slow)
+    # Alone, rank 0 would take step 4 and rank 1 step 2: a job restarted from two different steps.
+    assert [outcomes[r]["step"] for r in (0, 1)] == [2, 2]
+    for rank in (0, 1):
+        assert_same(torch.full((5,), float(100 * rank + 2)), outcomes[rank]["mine"])
