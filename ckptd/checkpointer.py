@@ -118,6 +118,15 @@ class Checkpointer:
         self.storage.check_access(self.root)
         if self.storage.local:
             collect_garbage(self.storage, self.root)
+        self._promoter: Promoter | None = None
+        tier_list = list(tiers or ())
+        if tier_list:  # checked before anything is started that would need stopping
+            if any(not isinstance(t, Tier) for t in tier_list):
+                raise ConfigError("tiers must be ckptd.Tier objects")
+            roots = [self.root] + [normalize_location(t.root) for t in tier_list]
+            if len(set(roots)) != len(roots):
+                raise ConfigError(f"every tier needs a root of its own; got {roots}")
+            self._promoter = Promoter(self.storage, tier_list)
         self._writer: WriterClient | InProcessWriter = (
             InProcessWriter()
             if in_process_only(self.root)
@@ -149,17 +158,8 @@ class Checkpointer:
             dist=self._dist,
             steps=self._steps,
         )
-        self._promoter: Promoter | None = None
-        tier_list = list(tiers or ())
-        if tier_list:
-            if any(not isinstance(t, Tier) for t in tier_list):
-                raise ConfigError("tiers must be ckptd.Tier objects")
-            roots = [self.root] + [normalize_location(t.root) for t in tier_list]
-            if len(set(roots)) != len(roots):
-                raise ConfigError(f"every tier needs a root of its own; got {roots}")
-            self._promoter = Promoter(self.storage, tier_list)
-            if self._dist is None or self._dist.is_coordinator:
-                self._saver.on_commit = self._promoter.submit
+        if self._promoter is not None and (self._dist is None or self._dist.is_coordinator):
+            self._saver.on_commit = self._promoter.submit  # copies to the slower tiers after each commit
         self.last_load: LoadSource | None = None
         """Where the last successful :meth:`load` of a step read from (its tier and path)."""
         self._jobs: queue.Queue[tuple[Checkpointer, SaveJob] | None] = queue.Queue()
@@ -182,7 +182,7 @@ class Checkpointer:
             self._owner_pid,
             self._jobs,
             self._completer,
-            (self._saver, self._steps, self._writer, self._pool),
+            (self._saver, self._steps, self._writer, self._pool, self._promoter),
             self._cleanup,
             self.options.cleanup_timeout,
             self._atexit,
@@ -723,8 +723,6 @@ class Checkpointer:
                 if parts is not None:
                     _, release, args, _ = parts
                     release(*args, wait=wait, abandon=abandon)
-                if self._promoter is not None:
-                    self._promoter.close(wait=wait and not abandon)  # the copies to slower tiers
         if abandon:
             if at_exit:
                 CtrlC.abandoned_at_exit = True
@@ -786,7 +784,7 @@ def _release(
     owner_pid: int,
     jobs: queue.Queue[Any],
     completer: threading.Thread,
-    parts: tuple[Saver, StepMonitor | None, WriterClient | InProcessWriter, StagingPool],
+    parts: tuple[Saver, StepMonitor | None, WriterClient | InProcessWriter, StagingPool, Promoter | None],
     cleanup: Cleanup,
     cleanup_timeout: float,
     exit_hook: Callable[[], None],
@@ -810,7 +808,7 @@ def _release(
         with contextlib.suppress(Exception):  # -W error must not turn this into a leak
             warnings.warn(f"{name} was not closed; its writer is stopped now", ResourceWarning, stacklevel=2)
         return
-    saver, steps, writer, pool = parts
+    saver, steps, writer, pool, promoter = parts
     if abandon:
         writer.close(timeout=_ABANDON_WRITER_SECONDS)  # no save waits on it any longer
     jobs.put(None)
@@ -821,6 +819,8 @@ def _release(
         steps.close()
     writer.close()
     pool.close()
+    if promoter is not None:  # after the writer and the arenas: copies to slow tiers may take a while
+        promoter.close(wait=wait and not abandon)
     cleanup.drain(min(cleanup_timeout, _ABANDON_SECONDS) if abandon else cleanup_timeout if wait else 0.0)
     cleanup.close()
     unbind(exit_hook)

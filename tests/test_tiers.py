@@ -265,3 +265,20 @@ def test_every_rank_loads_the_same_step_when_one_rank_cannot_load_the_newest(tmp
     assert [outcomes[r]["step"] for r in (0, 1)] == [2, 2]
     for rank in (0, 1):
         assert_same(torch.full((5,), float(100 * rank + 2)), outcomes[rank]["mine"])
+
+
+def test_a_checkpointer_dropped_unclosed_still_finishes_its_copies_and_stops_its_thread(tmp_path):
+    import gc
+    import threading
+    import warnings
+
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    ckpt = ckptd.Checkpointer(fast, tiers=[ckptd.Tier(slow)])
+    ckpt.save(1, _state(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        del ckpt
+        gc.collect()
+    wait_for(lambda: not any(t.name == "ckptd-promote" and t.is_alive() for t in threading.enumerate()), timeout=60)
+    with ckptd.Checkpointer(slow) as tier:
+        assert_same(_state(1), tier.load(1, verify=True))
