@@ -30,13 +30,14 @@ from crc32c import crc32c
 
 from ._version import __version__
 from .catalog import CheckpointInfo, list_checkpoints, read_manifest
-from .errors import CheckpointExistsError, ConfigError, CorruptCheckpointError
+from .errors import CheckpointExistsError, CheckpointReplacedError, ConfigError, CorruptCheckpointError
 from .formats.checksum import format_crc
-from .formats.manifest import MANIFEST_NAME
+from .formats.manifest import MANIFEST_NAME, Manifest
 from .formats.names import checkpoint_dir_name, leftover_name
+from .load.pinning import OneVersion
 from .retention import RunRecord, apply_retention
 from .save.commit import claim_step, publish
-from .storage import Storage, normalize_location, storage_for
+from .storage import RangeReader, Storage, normalize_location, storage_for
 from .storage.liveness import hold_new_directory
 
 __all__ = ["Copy", "LoadSource", "PromotionResult", "Promoter", "Tier", "copies_newest_first", "promote_checkpoint"]
@@ -119,7 +120,7 @@ class Promoter:
         for opened in self.tiers:
             opened.storage.check_access(opened.root)
         self.results: list[PromotionResult] = []
-        self._queue: queue.Queue[tuple[int, str, RunRecord] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, str, RunRecord, bool] | None] = queue.Queue()
         self._stop = threading.Event()
         self._idle = threading.Condition()
         self._queued = 0
@@ -130,15 +131,17 @@ class Promoter:
         """The tiers (numbered from 1) that receive ``step``."""
         return [t.index for t in self.tiers if t.tier.receives(step)]
 
-    def submit(self, step: int | None, path: str, run: RunRecord) -> bool:
+    def submit(self, step: int | None, path: str, run: RunRecord, overwrite: bool = False) -> bool:
         """Queue the promotion of the committed checkpoint at ``path``; pins it in ``run`` until
-        done.  Returns whether any tier receives it."""
+        done.  ``overwrite``: the save replaced a checkpoint of that step, and so does its copy
+        in each tier (else a tier would keep the older version under the same step).  Returns
+        whether any tier receives it."""
         if step is None or not self.due(step) or self._stop.is_set():
             return False
         run.acquire([path])
         with self._idle:
             self._queued += 1
-        self._queue.put((step, path, run))
+        self._queue.put((step, path, run, overwrite))
         return True
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -165,26 +168,36 @@ class Promoter:
             item = self._queue.get()
             if item is None:
                 return
-            step, path, run = item
+            step, path, run, overwrite = item
             try:
                 for opened in self.tiers:
                     if opened.tier.receives(step) and not self._stop.is_set():
-                        self.results.append(self._promote(step, path, opened))
+                        self.results.append(self._promote(step, path, opened, overwrite))
             finally:
                 run.release([path])
                 with self._idle:
                     self._queued -= 1
                     self._idle.notify_all()
 
-    def _promote(self, step: int, source: str, opened: _OpenTier) -> PromotionResult:
+    def _promote(self, step: int, source: str, opened: _OpenTier, overwrite: bool) -> PromotionResult:
         started = time.perf_counter()
         final = opened.storage.join(opened.root, checkpoint_dir_name(step))
         copied = 0
         try:
-            copied = promote_checkpoint(self.source, source, opened.storage, final, stop=self._stop.is_set)
+            copied = promote_checkpoint(
+                self.source, source, opened.storage, final, overwrite=overwrite, stop=self._stop.is_set
+            )
         except CheckpointExistsError as e:
             logger.info("ckptd: tier %d (%s) already holds step %d: %s", opened.index, opened.root, step, e)
             return PromotionResult(step, source, final, opened.index, time.perf_counter() - started, 0, e)
+        except CheckpointReplacedError as e:
+            logger.info(
+                "ckptd: step %d was replaced while it was copied to tier %d; its replacement follows: %s",
+                step,
+                opened.index,
+                e,
+            )
+            return PromotionResult(step, source, final, opened.index, time.perf_counter() - started, copied, e)
         except PromotionStopped as e:
             logger.info("ckptd: %s", e)
             return PromotionResult(step, source, final, opened.index, time.perf_counter() - started, copied, e)
@@ -212,16 +225,31 @@ def promote_checkpoint(
     target_storage: Storage,
     final: str,
     *,
+    overwrite: bool = False,
     stop: Callable[[], bool] = lambda: False,
 ) -> int:
     """Copy the committed checkpoint at ``source`` to ``final`` on ``target_storage`` (another
     root), whole or invisible: every file listed in the manifest is copied and its CRC32C checked
     against the manifest (a mismatch raises :class:`CorruptCheckpointError` and nothing is
     committed), then the manifest is written last and the copy published.  Returns the bytes
-    copied.  Raises :class:`CheckpointExistsError` if ``final`` is a checkpoint already."""
-    manifest = read_manifest(source_storage, source)
-    if manifest is None:
-        raise CorruptCheckpointError(f"{source}: no valid manifest to promote")
+    copied.  Raises :class:`CheckpointExistsError` if ``final`` is a checkpoint already, unless
+    ``overwrite`` (then it is replaced as a save's overwrite replaces one)."""
+    version = OneVersion.open(source_storage, source)  # one version of the source, even if it is overwritten
+    try:
+        return _promote_version(version, target_storage, final, overwrite=overwrite, stop=stop)
+    finally:
+        version.close()
+
+
+def _promote_version(
+    version: OneVersion, target_storage: Storage, final: str, *, overwrite: bool, stop: Callable[[], bool]
+) -> int:
+    source_storage, source = version.storage, version.directory
+    with version.guard():
+        version.take_stamp()
+        manifest = Manifest.from_json(
+            version.read_small(MANIFEST_NAME, follow_symlinks=False), source_storage.join(source, MANIFEST_NAME)
+        )
     referencing = sorted(name for name, record in manifest.files.items() if record.checkpoint)
     if referencing:
         raise CorruptCheckpointError(
@@ -229,14 +257,14 @@ def promote_checkpoint(
             f"({referencing[0]}...); it is not promoted"
         )
     if target_storage.local:
-        if read_manifest(target_storage, final) is not None:
+        if not overwrite and read_manifest(target_storage, final) is not None:
             raise CheckpointExistsError(f"{final} already exists")
         parent, base = os.path.split(final)
         staging = os.path.join(parent, leftover_name(base, "tmp"))  # collect_garbage knows the name
         held = hold_new_directory(staging, target_storage.makedirs)
     else:
         staging, held = final, None
-        claim_step(target_storage, final, overwrite=False)
+        claim_step(target_storage, final, overwrite=overwrite)
         target_storage.makedirs(staging)
     copied = 0
     try:
@@ -245,21 +273,27 @@ def promote_checkpoint(
         for name, record in sorted(manifest.files.items()):
             if stop():
                 raise PromotionStopped(f"promotion of {source} stopped by close(wait=False)")
-            pieces = _checked_pieces(source_storage, source_storage.join(source, name), record.size, record.crc32c)
-            written = target_storage.write_stream(target_storage.join(staging, name), pieces)
+            path = source_storage.join(source, name)
+            with version.guard():  # a failure because the source was replaced meanwhile says so
+                reader = version.reader(name) if source_storage.local else source_storage.open_reader(path)
+                pieces = _checked_pieces(reader, path, record.size, record.crc32c)
+                written = target_storage.write_stream(target_storage.join(staging, name), pieces)
             if written != record.size:
                 what = f"{source}/{name}"
                 raise CorruptCheckpointError(f"{what}: copied {written} bytes, the manifest lists {record.size}")
             copied += written
+        version.check_unchanged()  # object stores: every byte copied is of the manifest read
         promoted = dataclasses.replace(
             manifest,
             files={name: dataclasses.replace(record, reused=None) for name, record in manifest.files.items()},
             metadata={**manifest.metadata, "promoted_from": source, "promoted_by": __version__},
         )
         target_storage.write_bytes(
-            target_storage.join(staging, MANIFEST_NAME), promoted.to_json(), create_only=not target_storage.local
+            target_storage.join(staging, MANIFEST_NAME),
+            promoted.to_json(),
+            create_only=not target_storage.local and not overwrite,
         )
-        publish(target_storage, staging, final, overwrite=False)
+        publish(target_storage, staging, final, overwrite=overwrite)
     except BaseException:
         target_storage.discard(staging)
         raise
@@ -269,9 +303,9 @@ def promote_checkpoint(
     return copied
 
 
-def _checked_pieces(storage: Storage, path: str, size: int, expected: str) -> Iterator[memoryview]:
-    """The bytes of ``path`` in pieces, the last one only after the file's CRC32C matched."""
-    reader = storage.open_reader(path)
+def _checked_pieces(reader: RangeReader, path: str, size: int, expected: str) -> Iterator[memoryview]:
+    """The bytes of ``path`` in pieces, the last one only after the file's CRC32C matched; the
+    reader is closed at the end."""
     try:
         if reader.size != size:
             raise CorruptCheckpointError(f"{path}: {reader.size} bytes, the manifest lists {size}")

@@ -16,7 +16,7 @@ import torch
 from conftest import S3Place, assert_same, wait_for
 
 import ckptd
-from ckptd.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from ckptd.errors import CheckpointNotFoundError, CheckpointReplacedError, ConfigError, CorruptCheckpointError
 from ckptd.storage import storage_for
 from ckptd.tiers import promote_checkpoint
 
@@ -282,3 +282,27 @@ def test_a_checkpointer_dropped_unclosed_still_finishes_its_copies_and_stops_its
     wait_for(lambda: not any(t.name == "ckptd-promote" and t.is_alive() for t in threading.enumerate()), timeout=60)
     with ckptd.Checkpointer(slow) as tier:
         assert_same(_state(1), tier.load(1, verify=True))
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_an_overwrite_replaces_the_tiers_copy_of_that_step_too(backend, tmp_path, request):
+    fast = str(tmp_path / "fast")
+    if backend == "local":
+        tier = ckptd.Tier(str(tmp_path / "slow"))
+        read_back = {"root": str(tmp_path / "slow")}
+    else:
+        pytest.importorskip("s3fs")
+        s3 = request.getfixturevalue("s3")
+        tier = ckptd.Tier(s3.url("tier"), storage_options=s3.options())
+        read_back = {"root": s3.url("tier"), "storage_options": s3.options()}
+    with ckptd.Checkpointer(fast, tiers=[tier]) as ckpt:
+        ckpt.save(3, _state(3))
+        ckpt.save(3, _state(30), overwrite=True)  # a rollback saved step 3 again
+        assert ckpt.wait_promotions(60)
+        first, second = ckpt.promotions()
+        # The first copy either finished before the overwrite or stopped at it, never mixing the two
+        assert first.error is None or isinstance(first.error, CheckpointReplacedError), first.error
+        assert second.error is None
+    with ckptd.Checkpointer(**read_back) as copy:
+        assert copy.steps() == [3]
+        assert_same(_state(30), copy.load(3, verify=True))

@@ -162,7 +162,7 @@ class Saver:
         self.describer = Describer(storage, root, dist)
         # This run's commits and the checkpoints its saves in flight read from (retention's view).
         self.run = RunRecord()
-        self.on_commit: Callable[[int | None, str, RunRecord], object] | None = None
+        self.on_commit: Callable[[int | None, str, RunRecord, bool], object] | None = None
         """Called on the coordinator after each commit, before retention (the tiers' promoter)."""
         self.incremental = IncrementalPolicy(storage, root, options.incremental, self.run)
         self.coordinator: Coordinator = coordinator or (StoreCoordinator(dist) if dist else SoloCoordinator())
@@ -600,7 +600,7 @@ class Saver:
         self.run.committed(path)
         self._release_reuse(job)  # its files are linked or copied: retention may delete their source
         if manifest is not None and self.on_commit is not None:
-            self.on_commit(job.request.step, path, self.run)  # slower tiers: pinned until copied (ckptd.tiers)
+            self.on_commit(job.request.step, path, self.run, job.overwrite)  # slower tiers (ckptd.tiers)
         if manifest is not None:
             if self.options.keep_last is not None:
                 removed = apply_retention(self.storage, self.root, self.options.keep_last, self.run, self.listed)
