@@ -182,37 +182,36 @@ class Promoter:
     def _promote(self, step: int, source: str, opened: _OpenTier, overwrite: bool) -> PromotionResult:
         started = time.perf_counter()
         final = opened.storage.join(opened.root, checkpoint_dir_name(step))
-        copied = 0
+
+        def outcome(copied: int, error: BaseException | None = None, removed: Sequence[str] = ()) -> PromotionResult:
+            return PromotionResult(
+                step, source, final, opened.index, time.perf_counter() - started, copied, error, tuple(removed)
+            )
+
         try:
             copied = promote_checkpoint(
                 self.source, source, opened.storage, final, overwrite=overwrite, stop=self._stop.is_set
             )
-        except CheckpointExistsError as e:
-            logger.info("ckptd: tier %d (%s) already holds step %d: %s", opened.index, opened.root, step, e)
-            return PromotionResult(step, source, final, opened.index, time.perf_counter() - started, 0, e)
-        except CheckpointReplacedError as e:
-            logger.info(
-                "ckptd: step %d was replaced while it was copied to tier %d; its replacement follows: %s",
-                step,
-                opened.index,
-                e,
-            )
-            return PromotionResult(step, source, final, opened.index, time.perf_counter() - started, copied, e)
-        except PromotionStopped as e:
-            logger.info("ckptd: %s", e)
-            return PromotionResult(step, source, final, opened.index, time.perf_counter() - started, copied, e)
+        except (CheckpointExistsError, CheckpointReplacedError, PromotionStopped) as e:
+            # The tier holds the step already; the source was overwritten (its replacement's copy
+            # follows); close(wait=False).  Nothing was committed, nothing is wrong.
+            logger.info("ckptd: step %d not copied to tier %d (%s): %s", step, opened.index, opened.root, e)
+            return outcome(0, e)
         except Exception as e:  # noqa: BLE001 - reported; the next promotion goes on
             logger.error("ckptd: promotion of %s to tier %d (%s) failed: %s", source, opened.index, opened.root, e)
-            return PromotionResult(step, source, final, opened.index, time.perf_counter() - started, copied, e)
+            return outcome(0, e)
         opened.run.committed(final)
         removed: list[str] = []
         if opened.tier.keep_last is not None:
-            removed = apply_retention(opened.storage, opened.root, opened.tier.keep_last, opened.run)
+            try:
+                removed = apply_retention(opened.storage, opened.root, opened.tier.keep_last, opened.run)
+            except Exception as e:  # noqa: BLE001 - the copy is committed; retention runs again after the next
+                logger.error("ckptd: tier %d keep_last=%d failed: %s", opened.index, opened.tier.keep_last, e)
             if removed:
                 logger.info("ckptd: tier %d keep_last=%d removed %s", opened.index, opened.tier.keep_last, removed)
-        seconds = time.perf_counter() - started
-        logger.info("ckptd: promoted step %d to tier %d (%s) in %.2f s", step, opened.index, final, seconds)
-        return PromotionResult(step, source, final, opened.index, seconds, copied, None, tuple(removed))
+        result = outcome(copied, None, removed)
+        logger.info("ckptd: promoted step %d to tier %d (%s) in %.2f s", step, opened.index, final, result.seconds)
+        return result
 
 
 class PromotionStopped(Exception):
