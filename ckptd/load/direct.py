@@ -51,8 +51,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-READ_THREADS = 4
-"""Threads reading local files (and remote files, one file per task)."""
+READ_THREADS = max(4, min(16, os.cpu_count() or 4))
+"""Threads reading local files (and remote files, one file per task): 4 on small machines (chosen
+on the 2-core VM of ``docs/benchmarks.md``), one per core up to 16 on larger ones, whose
+page-cache reads scale with the cores (a GPU host: docs/benchmarks.md, "GPU")."""
 DIRECT_RUN = 8 * 1024 * 1024
 """Bytes of one ``O_DIRECT`` read (the bounce buffer of each thread holds one run)."""
 DEFAULT_DIRECT_READS = False
@@ -392,6 +394,7 @@ def read_local(
     *,
     direct: bool | None = None,
     every_range: bool = False,
+    batch: int | None = None,
 ) -> None:
     """Fill every ``(offset, buffer)`` request of each ``(file, requests)`` job from its file: a
     path, or an open :class:`~ckptd.storage.local_read.LocalReader` (read through its
@@ -401,7 +404,8 @@ def read_local(
 
     ``direct`` (default :func:`direct_reads`) reads ranges not in the page cache with
     ``O_DIRECT``; ``every_range=True`` reads every range that way, cached or not (to measure
-    the ``O_DIRECT`` path).  Requests of one file must not overlap.  The caller checks sizes
+    the ``O_DIRECT`` path).  ``batch``: bytes of one page-cache read task (default: an equal
+    share of the read threads, at least 32 MiB).  Requests of one file must not overlap.  The caller checks sizes
     first; a short file raises :class:`StorageError`.
     """
     if direct is None:
@@ -437,7 +441,7 @@ def read_local(
                 cold = []
             cached_jobs.append((file, cached))
             tasks.extend(functools.partial(_read_direct, file, run) for run in _runs(cold))
-        size = _batch_bytes(sum(len(view) for _, cached in cached_jobs for _, view in cached))
+        size = batch or _batch_bytes(sum(len(view) for _, cached in cached_jobs for _, view in cached))
         for file, cached in cached_jobs:
             tasks.extend(functools.partial(_read_cached, file, batch) for batch in _batches(cached, size))
         run_tasks(tasks)

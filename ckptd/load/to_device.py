@@ -25,18 +25,23 @@ from typing import Any
 import torch
 
 from ..storage import RangeReader
+from .direct import READ_THREADS
 
 __all__ = ["WAVE_BYTES", "DeviceRequest", "read_into_device"]
 
 WAVE_BYTES = 128 * 1024 * 1024
 """Bytes read into one half of the page-locked staging buffer before they are copied to the
-device (each half is read by the whole read pool: at least 32 MiB per read thread)."""
+device (each half is read by the whole read pool, a share of it per read thread: WAVE_BATCH)."""
+
+WAVE_BATCH = max(4 * 1024 * 1024, WAVE_BYTES // READ_THREADS)
+"""Bytes of one read task of a wave: every read thread reads a share of it."""
 
 DeviceRequest = tuple[int, torch.Tensor]
 """``(offset in the file, CUDA uint8 tensor)``: a byte run of a file and the device bytes it fills."""
 
 HostRequest = tuple[int, memoryview]
-ReadHost = Callable[[Sequence[tuple[RangeReader, Sequence[HostRequest]]]], None]
+ReadHost = Callable[..., None]
+"""``read_local``: reads ``[(reader, [(offset, host bytes), ...]), ...]``, tasks of ``batch`` bytes."""
 
 _lock = threading.Lock()
 _staging: tuple[int, torch.Tensor, memoryview] | None = None  # pid, page-locked bytes, their view
@@ -105,7 +110,7 @@ def read_into_device(jobs: Sequence[tuple[RangeReader, Sequence[DeviceRequest]]]
                     by_reader.setdefault(id(reader), (reader, []))[1].append((offset, view[position : position + size]))
                     copies.append((host[position : position + size], span))
                     position += size
-                read_host(list(by_reader.values()))
+                read_host(list(by_reader.values()), batch=WAVE_BATCH)
                 used: dict[torch.device, Any] = {}
                 for source, span in copies:
                     stream = streams.get(span.device)
