@@ -49,7 +49,7 @@ from .save.throttle import StepMonitor
 from .stats import StatsSummary
 from .storage import in_process_only, is_local, local_path, normalize_location, storage_for
 from .storage.cleanup import Cleanup
-from .tiers import LoadSource, Promoter, PromotionResult, Tier, copies_newest_first
+from .tiers import LoadSource, Promoter, PromotionResult, Tier, committed_steps
 from .writer.client import InProcessWriter, WriterClient
 from .writer.owner import CtrlC, bind_to_process, check_process, exiting_on_ctrl_c, unbind
 
@@ -208,8 +208,8 @@ class Checkpointer:
         """The highest committed step (of any tier, with ``tiers``), or ``None`` if there is no
         checkpoint yet."""
         if self._promoter is not None:
-            copies = copies_newest_first(self._tier_roots())
-            return copies[0].step if copies else None
+            steps = committed_steps(self._tier_roots())
+            return steps[0] if steps else None
         info = latest_checkpoint(self.storage, self.root)
         return info.step if info else None
 
@@ -496,7 +496,7 @@ class Checkpointer:
         once every rank has loaded it (else every rank goes on to the next older step)."""
         assert self._promoter is not None
         roots = self._tier_roots()
-        steps = sorted({c.step for c in copies_newest_first(roots)}, reverse=True)
+        steps = committed_steps(roots)
         if step != "latest":
             steps = [s for s in steps if s == step]
         if self._dist is not None:

@@ -40,7 +40,7 @@ from .save.commit import claim_step, publish
 from .storage import RangeReader, Storage, normalize_location, storage_for
 from .storage.liveness import hold_new_directory
 
-__all__ = ["Copy", "LoadSource", "PromotionResult", "Promoter", "Tier", "copies_newest_first", "promote_checkpoint"]
+__all__ = ["LoadSource", "PromotionResult", "Promoter", "Tier", "committed_steps", "promote_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -336,25 +336,15 @@ class LoadSource:
     path: str
 
 
-@dataclass(frozen=True)
-class Copy:
-    """A committed checkpoint of a step in one tier (0: the Checkpointer's root)."""
-
-    step: int
-    tier: int
-    path: str
-    storage: Storage
-
-
-def copies_newest_first(roots: Sequence[tuple[int, Storage, str]]) -> list[Copy]:
-    """Every committed checkpoint of every tier, newest step first, the faster tier first within
-    a step.  A tier that cannot be listed is skipped with a warning (another may hold the step)."""
-    found: list[Copy] = []
+def committed_steps(roots: Sequence[tuple[int, Storage, str]]) -> list[int]:
+    """The steps committed in any of the tiers ``(number, storage, root)``, newest first.  A tier
+    that cannot be listed is skipped with a warning (another may hold the step)."""
+    steps: set[int] = set()
     for tier, storage, root in roots:
         try:
             listed: list[CheckpointInfo] = list_checkpoints(storage, root)
         except Exception as e:  # noqa: BLE001 - an unreachable tier is one copy fewer, said in the log
             logger.warning("ckptd: cannot list tier %d (%s): %s", tier, root, e)
             continue
-        found.extend(Copy(info.step, tier, info.path, storage) for info in listed)
-    return sorted(found, key=lambda c: (-c.step, c.tier))
+        steps.update(info.step for info in listed if info.step is not None)
+    return sorted(steps, reverse=True)
