@@ -346,5 +346,5 @@ def committed_steps(roots: Sequence[tuple[int, Storage, str]]) -> list[int]:
         except Exception as e:  # noqa: BLE001 - an unreachable tier is one copy fewer, said in the log
             logger.warning("ckptd: cannot list tier %d (%s): %s", tier, root, e)
             continue
-        steps.update(info.step for info in listed if info.step is not None)
+        steps.update(info.step for info in listed)
     return sorted(steps, reverse=True)
