@@ -5,7 +5,6 @@ device (marker ``cuda``); skipped without one."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,15 +17,6 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-
-@pytest.fixture
-def ckpt(tmp_path: Any) -> Iterator[ckptd.Checkpointer]:
-    checkpointer = ckptd.Checkpointer(str(tmp_path / "ckpts"))
-    try:
-        yield checkpointer
-    finally:
-        checkpointer.close()
 
 
 def _mixed_state() -> dict[str, torch.Tensor]:
@@ -53,9 +43,9 @@ def _assert_on_device_and_equal(expected: dict[str, torch.Tensor], loaded: dict[
         assert torch.equal(value, tensor), key
 
 
-def test_fresh_tensors_load_onto_the_device_through_the_staging_waves(ckpt, monkeypatch):
+def test_fresh_tensors_load_onto_the_device_through_the_staging_waves(checkpointer, monkeypatch):
     state = _mixed_state()
-    ckpt.save(1, {"model": state})
+    checkpointer.save(1, {"model": state})
     waves: list[Any] = []
     real = to_device._waves
 
@@ -64,71 +54,72 @@ def test_fresh_tensors_load_onto_the_device_through_the_staging_waves(ckpt, monk
         return waves[-1]
 
     monkeypatch.setattr(to_device, "_waves", recorded)
-    _assert_on_device_and_equal(state, ckpt.load(1, device="cuda", verify=True)["model"])
+    _assert_on_device_and_equal(state, checkpointer.load(1, device="cuda", verify=True)["model"])
     assert waves and len(waves[0]) >= 3, "the device path was not taken, or in fewer waves than the bytes need"
     assert all(sum(p[2].numel() for p in wave) <= to_device.WAVE_BYTES for wave in waves[0])
 
 
-def test_loads_into_live_cuda_tensors_fill_them_in_place(ckpt):
+def test_loads_into_live_cuda_tensors_fill_them_in_place(checkpointer):
     state = _mixed_state()
-    ckpt.save(1, {"model": state})
+    checkpointer.save(1, {"model": state})
     targets = {k: torch.zeros_like(v) for k, v in state.items()}
     pointers = {k: v.data_ptr() for k, v in targets.items()}
-    ckpt.load(1, into={"model": targets})
+    checkpointer.load(1, into={"model": targets})
     _assert_on_device_and_equal(state, targets)
     assert {k: v.data_ptr() for k, v in targets.items()} == pointers
 
 
-def test_a_module_on_the_device_restores_bit_for_bit(ckpt):
+def test_a_module_on_the_device_restores_bit_for_bit(checkpointer):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.LayerNorm(512), torch.nn.Linear(512, 10)).cuda()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    ckpt.save(1, {"model": model})
+    checkpointer.save(1, {"model": model})
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.zero_()
-    ckpt.load(1, into={"model": model})
+    checkpointer.load(1, into={"model": model})
     _assert_on_device_and_equal(expected, dict(model.state_dict()))
 
 
-def test_targets_of_another_dtype_or_layout_take_the_host_path_and_still_match(ckpt):
+def test_targets_of_another_dtype_or_layout_take_the_host_path_and_still_match(checkpointer):
     weight = torch.randn(300, 200, device="cuda")
-    ckpt.save(1, {"model": {"w": weight, "t": weight.clone()}})
+    checkpointer.save(1, {"model": {"w": weight, "t": weight.clone()}})
     half = torch.zeros(300, 200, device="cuda", dtype=torch.bfloat16)  # converted from float32
     transposed = torch.zeros(200, 300, device="cuda").t()  # not contiguous
-    ckpt.load(1, into={"model": {"w": half, "t": transposed}})
+    checkpointer.load(1, into={"model": {"w": half, "t": transposed}})
     assert torch.equal(half, weight.to(torch.bfloat16))
     assert torch.equal(transposed, weight)
 
 
-def test_work_queued_on_a_target_finishes_before_the_load_replaces_its_bytes(ckpt):
+def test_work_queued_on_a_target_finishes_before_the_load_replaces_its_bytes(checkpointer):
     stored = torch.full((4096, 4096), 7.0, device="cuda")
-    ckpt.save(1, {"model": {"w": stored}})
+    checkpointer.save(1, {"model": {"w": stored}})
     target = torch.zeros(4096, 4096, device="cuda")
     busy = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     for _ in range(200):  # tens of milliseconds queued before the fill
         torch.mm(busy, busy)
     target.fill_(1.0)  # still queued when the load starts: the load's bytes must land after it
-    ckpt.load(1, into={"model": {"w": target}})
+    checkpointer.load(1, into={"model": {"w": target}})
     assert torch.equal(target, stored)
 
 
-def test_a_keys_load_onto_the_device_reads_only_those_keys(ckpt):
+def test_a_keys_load_onto_the_device_reads_only_those_keys(checkpointer):
     state = _mixed_state()
-    ckpt.save(1, {"model": state})
-    loaded = ckpt.load(1, keys=["model.f32", "model.small.3"], device="cuda")
+    checkpointer.save(1, {"model": state})
+    loaded = checkpointer.load(1, keys=["model.f32", "model.small.3"], device="cuda")
     assert torch.equal(loaded["model"]["f32"], state["f32"]) and loaded["model"]["f32"].is_cuda
     assert torch.equal(loaded["model"]["small.3"], state["small.3"])
 
 
-def test_a_truncated_shard_fails_the_device_load_with_our_error_and_a_good_load_follows(ckpt):
+def test_a_truncated_shard_fails_the_device_load_with_our_error_and_a_good_load_follows(checkpointer):
     state = {"w": torch.randn(1024, 1024, device="cuda")}
-    path = ckpt.save(1, {"model": state}).path
-    ckpt.save(2, {"model": state})
+    path = checkpointer.save(1, {"model": state}).path
+    checkpointer.save(2, {"model": state})
     shard = next(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) - 4096)
     with pytest.raises(ckptd.errors.CorruptCheckpointError, match="safetensors"):
-        ckpt.load(1, device="cuda")
-    assert torch.equal(ckpt.load(2, device="cuda")["model"]["w"], state["w"])  # the staging buffer is free again
+        checkpointer.load(1, device="cuda")
+    again = checkpointer.load(2, device="cuda")["model"]["w"]  # the staging buffer is free again
+    assert torch.equal(again, state["w"])

@@ -47,55 +47,46 @@ def _big_model() -> torch.nn.Module:
     return model
 
 
-@pytest.fixture
-def ckpt(tmp_path: Any) -> Iterator[ckptd.Checkpointer]:
-    checkpointer = ckptd.Checkpointer(str(tmp_path / "ckpts"))
-    try:
-        yield checkpointer
-    finally:
-        checkpointer.close()
-
-
-def test_the_arena_is_shared_memory_that_cuda_sees_as_page_locked(ckpt):
+def test_the_arena_is_shared_memory_that_cuda_sees_as_page_locked(checkpointer):
     state = {"w": torch.randn(1024, 1024, device="cuda")}
-    ckpt.save(1, {"model": state})
-    (arena,) = ckpt._pool._arenas
+    checkpointer.save(1, {"model": state})
+    (arena,) = checkpointer._pool._arenas
     assert arena.pinned
     # CUDA reports the registered shared-memory mapping as page-locked host memory: copies into
     # it are DMA, not a bounce through a pageable buffer.
     assert arena._base.is_pinned()
     assert arena.segment.size >= state["w"].nbytes
-    assert_same(_host(state), ckpt.load(1, verify=True)["model"])
+    assert_same(_host(state), checkpointer.load(1, verify=True)["model"])
 
 
 @pytest.mark.parametrize("staging", ["blocking", "pipelined"])
-def test_a_save_that_returned_holds_the_values_from_before_in_place_kernels(ckpt, staging):
+def test_a_save_that_returned_holds_the_values_from_before_in_place_kernels(checkpointer, staging):
     model = _big_model()
     expected = _host(model.state_dict())
-    request = ckpt.async_save(1, {"model": model}, staging=staging)
+    request = checkpointer.async_save(1, {"model": model}, staging=staging)
     with torch.no_grad():  # queued on the current stream the moment async_save returns
         for parameter in model.parameters():
             parameter.mul_(-3.0).add_(1.0)
     request.wait(120)
-    assert_same(expected, ckpt.load(1, verify=True)["model"])
+    assert_same(expected, checkpointer.load(1, verify=True)["model"])
     assert not torch.equal(expected["0.weight"], model[0].weight.cpu())  # the kernels did change them
 
 
-def test_background_staging_racing_the_optimizer_step_saves_the_values_before_it(ckpt):
+def test_background_staging_racing_the_optimizer_step_saves_the_values_before_it(checkpointer):
     """``staging="background"`` returns with the copies still queued on the side stream; the
     step that follows at once must not overwrite a parameter before its copy has read it."""
     model = _big_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=10.0)  # every element moves by a lot
     expected = _host(model.state_dict())
-    request = ckpt.async_save(1, {"model": model}, staging="background")
+    request = checkpointer.async_save(1, {"model": model}, staging="background")
     optimizer.step()  # queued while the copies are in flight; the step guard orders it after them
     after_step = _host(model.state_dict())
     request.wait(120)
     assert not torch.equal(expected["0.weight"], after_step["0.weight"])
-    assert_same(expected, ckpt.load(1, verify=True)["model"])
+    assert_same(expected, checkpointer.load(1, verify=True)["model"])
 
 
-def test_without_the_step_guard_the_same_race_saves_values_the_step_wrote(ckpt, monkeypatch):
+def test_without_the_step_guard_the_same_race_saves_values_the_step_wrote(checkpointer, monkeypatch):
     """The protection removed: with the optimizer step no longer waiting for the copies, the race
     above is real on the GPU (the step's kernels run beside the copies), so the test above
     checks something."""
@@ -103,14 +94,14 @@ def test_without_the_step_guard_the_same_race_saves_values_the_step_wrote(ckpt, 
     model = _big_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=10.0)
     expected = _host(model.state_dict())
-    request = ckpt.async_save(1, {"model": model}, staging="background")
+    request = checkpointer.async_save(1, {"model": model}, staging="background")
     optimizer.step()
     request.wait(120)
-    loaded = ckpt.load(1)["model"]
+    loaded = checkpointer.load(1)["model"]
     assert not all(torch.equal(expected[k], loaded[k]) for k in expected), "the copies all ran before the step"
 
 
-def test_the_copies_start_after_the_work_already_queued_on_the_callers_stream(ckpt):
+def test_the_copies_start_after_the_work_already_queued_on_the_callers_stream(checkpointer):
     """A kernel still queued when ``async_save`` is called (here: a fill after a long run of
     products) is part of the snapshot: the side stream waits for the caller's stream first."""
     weights = torch.zeros(BIG, BIG, device="cuda")
@@ -119,13 +110,13 @@ def test_the_copies_start_after_the_work_already_queued_on_the_callers_stream(ck
     for _ in range(200):  # tens of milliseconds of queued work before the fill
         torch.mm(busy, busy)
     weights.fill_(7.0)
-    request = ckpt.async_save(1, {"model": {"w": weights}}, staging="background")
+    request = checkpointer.async_save(1, {"model": {"w": weights}}, staging="background")
     request.wait(120)
-    loaded = ckpt.load(1)["model"]["w"]
+    loaded = checkpointer.load(1)["model"]["w"]
     assert torch.equal(loaded, torch.full((BIG, BIG), 7.0))
 
 
-def test_background_saves_in_a_training_loop_each_hold_their_own_step(ckpt):
+def test_background_saves_in_a_training_loop_each_hold_their_own_step(checkpointer):
     """Saves of a GPU model and its Adam state every step, each raced by the next step: every
     checkpoint is the state of the step it names, optimizer moments and CPU step counters included."""
     torch.manual_seed(1)
@@ -139,11 +130,11 @@ def test_background_saves_in_a_training_loop_each_hold_their_own_step(ckpt):
         optimizer.step()
         optimizer.zero_grad()
         expected[step] = _host({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
-        requests.append(ckpt.async_save(step, {"model": model, "optimizer": optimizer}, staging="background"))
+        requests.append(checkpointer.async_save(step, {"model": model, "optimizer": optimizer}, staging="background"))
     for request in requests:
         request.wait(120)
     for step, state in expected.items():
-        loaded = ckpt.load(step, verify=True)
+        loaded = checkpointer.load(step, verify=True)
         assert_same(state["model"], loaded["model"], where=f"step {step} model")
         assert_same(state["optimizer"]["state"], _optimizer_state(loaded["optimizer"]), where=f"step {step} optim")
 
@@ -153,34 +144,34 @@ def _optimizer_state(saved: Any) -> Any:
     return {int(k): v for k, v in saved["state"].items()}
 
 
-def test_loads_land_on_the_device_bit_for_bit(ckpt):
+def test_loads_land_on_the_device_bit_for_bit(checkpointer):
     torch.manual_seed(2)
     state = {
         "w": torch.randn(300, 700, device="cuda"),
         "h": torch.randn(64, 64, device="cuda").to(torch.bfloat16),
         "i": torch.randint(-(2**40), 2**40, (1000,), device="cuda"),
     }
-    ckpt.save(1, {"model": state})
-    loaded = ckpt.load(1, device="cuda", verify=True)["model"]
+    checkpointer.save(1, {"model": state})
+    loaded = checkpointer.load(1, device="cuda", verify=True)["model"]
     for key, tensor in state.items():
         assert loaded[key].is_cuda, key
         assert loaded[key].dtype == tensor.dtype and loaded[key].shape == tensor.shape, key
         assert torch.equal(loaded[key], tensor), key
     module = torch.nn.Linear(700, 300, bias=False).cuda()
-    ckpt.save(2, {"model": {"weight": state["w"]}})
+    checkpointer.save(2, {"model": {"weight": state["w"]}})
     with torch.no_grad():
         module.weight.zero_()
-    ckpt.load(2, into={"model": module})
+    checkpointer.load(2, into={"model": module})
     assert module.weight.is_cuda and torch.equal(module.weight, state["w"])
 
 
-def test_cuda_generator_state_round_trips(ckpt):
+def test_cuda_generator_state_round_trips(checkpointer):
     torch.cuda.manual_seed_all(11)
     torch.randn(10, device="cuda")  # the generator has moved on from its seed
-    ckpt.save(1, {"rng": ckptd.RNGState()})
+    checkpointer.save(1, {"rng": ckptd.RNGState()})
     drawn = torch.randn(1000, device="cuda")
     torch.cuda.manual_seed_all(99)
-    ckpt.load(1, into={"rng": ckptd.RNGState()})
+    checkpointer.load(1, into={"rng": ckptd.RNGState()})
     assert torch.equal(torch.randn(1000, device="cuda"), drawn)
 
 
@@ -223,7 +214,7 @@ def _full(value: Any) -> Any:
     return value
 
 
-def test_fsdp2_on_nccl_saves_dtensors_and_loads_them_back_and_as_plain_tensors(ckpt, nccl_world_of_one):
+def test_fsdp2_on_nccl_saves_dtensors_and_loads_them_back_and_as_plain_tensors(checkpointer, nccl_world_of_one):
     model = _fsdp_model(seed=3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.randn(8, 256, device="cuda")
@@ -233,7 +224,7 @@ def test_fsdp2_on_nccl_saves_dtensors_and_loads_them_back_and_as_plain_tensors(c
     assert type(model[0].weight).__name__ == "DTensor"
     expected_model = _full(model.state_dict())
     expected_optimizer = _full(optimizer.state_dict()["state"])
-    request = ckpt.async_save(4, {"model": model, "optimizer": optimizer}, staging="background")
+    request = checkpointer.async_save(4, {"model": model, "optimizer": optimizer}, staging="background")
     model(data).pow(2).mean().backward()
     optimizer.step()  # races the staging copies of DTensor local shards
     request.wait(120)
@@ -242,9 +233,9 @@ def test_fsdp2_on_nccl_saves_dtensors_and_loads_them_back_and_as_plain_tensors(c
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     fresh(data).pow(2).mean().backward()
     fresh_optimizer.step()  # optimizer state exists, with other values
-    ckpt.load(4, into={"model": fresh, "optimizer": fresh_optimizer})
+    checkpointer.load(4, into={"model": fresh, "optimizer": fresh_optimizer})
     assert_same(expected_model, _full(fresh.state_dict()), where="model into FSDP2")
     assert_same(expected_optimizer, _full(fresh_optimizer.state_dict()["state"]), where="optimizer into FSDP2")
 
-    plain = ckpt.load(4, components=["model"])["model"]  # resharded to whole tensors, no mesh needed
+    plain = checkpointer.load(4, components=["model"])["model"]  # resharded to whole tensors, no mesh needed
     assert_same(expected_model, plain, where="model as plain tensors")
