@@ -33,12 +33,11 @@ from .catalog import CheckpointInfo, list_checkpoints, read_manifest
 from .errors import CheckpointExistsError, CheckpointReplacedError, ConfigError, CorruptCheckpointError
 from .formats.checksum import format_crc
 from .formats.manifest import MANIFEST_NAME, Manifest
-from .formats.names import checkpoint_dir_name, leftover_name
+from .formats.names import checkpoint_dir_name
 from .load.pinning import OneVersion
 from .retention import RunRecord, apply_retention
-from .save.commit import claim_step, publish
+from .save.commit import open_staging, publish
 from .storage import RangeReader, Storage, normalize_location, storage_for
-from .storage.liveness import hold_new_directory
 
 __all__ = ["LoadSource", "PromotionResult", "Promoter", "Tier", "committed_steps", "promote_checkpoint"]
 
@@ -255,16 +254,9 @@ def _promote_version(
             f"{source}: written by a ckptd version before 0.2 that references other checkpoints' files "
             f"({referencing[0]}...); it is not promoted"
         )
-    if target_storage.local:
-        if not overwrite and read_manifest(target_storage, final) is not None:
-            raise CheckpointExistsError(f"{final} already exists")
-        parent, base = os.path.split(final)
-        staging = os.path.join(parent, leftover_name(base, "tmp"))  # collect_garbage knows the name
-        held = hold_new_directory(staging, target_storage.makedirs)
-    else:
-        staging, held = final, None
-        claim_step(target_storage, final, overwrite=overwrite)
-        target_storage.makedirs(staging)
+    if target_storage.local and not overwrite and read_manifest(target_storage, final) is not None:
+        raise CheckpointExistsError(f"{final} already exists")  # object stores: the claim refuses it
+    staging, held = open_staging(target_storage, final, overwrite=overwrite)
     copied = 0
     try:
         for subdirectory in sorted({name.rpartition("/")[0] for name in manifest.files} - {""}):

@@ -557,6 +557,7 @@ class CheckpointReader:
             if alias in targets and key not in stored_targets:
                 stored_targets[key] = targets[alias]
         records: dict[str, TensorRecord] = {}
+        place = torch.device(device)
         if source.kind == "torch_bin":
             files = sorted({source.weight_map[k] for k in stored})
             destinations = fetch_bin(files, stored, stored_targets, self._load_bin, where=self.directory)
@@ -565,15 +566,12 @@ class CheckpointReader:
         else:
             records = self.locate(component, stored)
             device_reads = self.storage.local  # CUDA targets filled from page-locked memory (.to_device)
-            place = torch.device(device)
             if device_reads and place.type == "cuda":
                 for key in stored:  # fresh tensors on the device: filled there, never in pageable memory
                     if stored_targets.get(key) is None:
                         stored_targets[key] = new_device_tensor(key, records[key], place, self.directory)
             destinations = make_destinations(stored, records, stored_targets, self.directory, device_reads)
-        return PendingRead(
-            requested, source.aliases, records, destinations, frozenset(stored_targets), torch.device(device), verify
-        )
+        return PendingRead(requested, source.aliases, records, destinations, frozenset(stored_targets), place, verify)
 
     def run(self, plans: Iterable[PendingRead]) -> None:
         """Read the bytes of every plan (of this reader) in one pass: one set of reads over the

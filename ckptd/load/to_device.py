@@ -16,7 +16,6 @@ One load at a time uses the staging buffer (a lock); a second waits for it.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -51,9 +50,10 @@ def _staging_buffer() -> tuple[torch.Tensor, memoryview]:
     """The process's page-locked staging buffer (a fork child makes its own)."""
     global _staging
     if _staging is None or _staging[0] != os.getpid():
+        from .fetch import tensor_memoryview  # fetch imports this module
+
         host = torch.empty(2 * WAVE_BYTES, dtype=torch.uint8, pin_memory=True)
-        view = memoryview((ctypes.c_char * host.numel()).from_address(host.data_ptr())).cast("B")
-        _staging = (os.getpid(), host, view)
+        _staging = (os.getpid(), host, tensor_memoryview(host))
     return _staging[1], _staging[2]
 
 

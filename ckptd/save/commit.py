@@ -48,6 +48,7 @@ __all__ = [
     "check_destination",
     "check_object_prefix",
     "claim_step",
+    "open_staging",
     "combine_pieces",
     "finalize_checkpoint",
     "publish",
@@ -86,6 +87,22 @@ def claim_step(storage: Storage, final_dir: str, *, overwrite: bool, replace_any
     if overwrite:
         # Claimed: only now unpublish the old checkpoint, before its objects are replaced.
         storage.remove(storage.join(final_dir, MANIFEST_NAME))
+
+
+def open_staging(storage: Storage, final: str, *, overwrite: bool) -> tuple[str, liveness.Hold | None]:
+    """Where a checkpoint for ``final`` is written before :func:`publish`, and the lock on it.
+
+    Local: a hidden directory beside ``final`` (a name :func:`~ckptd.garbage.collect_garbage`
+    knows), created and locked by this process until it is published or discarded.  Object
+    stores: ``final`` itself, claimed first (:func:`claim_step`); no lock.
+    """
+    if storage.local:
+        parent, base = os.path.split(final)
+        staging = os.path.join(parent, leftover_name(base, "tmp"))
+        return staging, liveness.hold_new_directory(staging, storage.makedirs)
+    claim_step(storage, final, overwrite=overwrite)
+    storage.makedirs(final)
+    return final, None
 
 
 @dataclass(frozen=True)

@@ -14,14 +14,13 @@ from typing import Any
 from .._version import __version__
 from ..errors import CheckpointNotFoundError, ConfigError
 from ..formats.manifest import FileRecord, Manifest, TensorRecord
-from ..formats.names import leftover_name, shard_file_name
+from ..formats.names import shard_file_name
 from ..load.reader import CheckpointReader
 from ..options import DEFAULT_MAX_SHARD_SIZE, parse_size
-from ..save.commit import ComponentInfo, check_destination, check_object_prefix, claim_step, finalize_checkpoint
+from ..save.commit import ComponentInfo, check_destination, check_object_prefix, finalize_checkpoint, open_staging
 from ..save.layout import WriteItem, bucket_items, plan_file
 from ..save.tensor_files import write_layout
 from ..storage import normalize_location, storage_for
-from ..storage.liveness import hold_new_directory
 
 __all__ = ["consolidate"]
 
@@ -69,16 +68,7 @@ def consolidate(
     if verify:
         reader.verify()
     started = time.perf_counter()
-    if storage.local:
-        parent, base = os.path.split(final)
-        staging = os.path.join(parent, leftover_name(base, "tmp"))  # collect_garbage knows the name
-    else:
-        staging = final
-        claim_step(storage, final, overwrite=overwrite)
-    # Local: locked until published or discarded, so a garbage collection leaves it meanwhile.
-    held = hold_new_directory(staging, storage.makedirs) if storage.local else None
-    if held is None:
-        storage.makedirs(staging)
+    staging, held = open_staging(storage, final, overwrite=overwrite)
     try:
         written: dict[str, FileRecord] = {}
         tensors: dict[str, dict[str, TensorRecord]] = {}
