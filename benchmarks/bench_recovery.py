@@ -10,12 +10,15 @@ Two parts, on one state of ``--size-mib`` MiB (float32 tensors of a transformer-
    every tier.  Per configuration: how long ``async_save`` blocked, when the save committed, when
    the last copy was done, and the loop's steps while all that ran against its steps with no save
    (median step time ratio).  Configurations: one tier (local disk); + a local tier (another
-   directory, ``every=1``); + an S3 tier (moto on loopback, ``every=1``).
+   directory, ``every=1``); + an S3 tier (moto on loopback, ``every=1``); memory (``shm://``) as
+   the only tier; memory + a local tier (``every=1``).
 2. **Restore** (each a fresh process, after the trainer process ended): from process start to the
-   state loaded into live tensors, and the load alone, from: the local tier with the files in the
-   page cache; the same after ``posix_fadvise(DONTNEED)`` (cold); the slower local tier (the fast
-   tier's copy removed); the S3 tier.  The memory tier and peer replicas are not built yet: their
-   rows say so.
+   state loaded into live tensors, and the load alone, from: the memory tier, after the trainer
+   saved to ``shm://`` with a local tier behind it and was SIGKILLed with its process group (as
+   torchrun does), against the floor measured in the same process (a ``copy_`` of the same bytes
+   into fresh tensors); the local tier with the files in the page cache; the same after
+   ``posix_fadvise(DONTNEED)`` (cold); the slower local tier (the fast tier's copy removed); the
+   S3 tier.  Peer replicas are not built yet: their row says so.
 
 Then a goodput table from the measured figures (``goodput``, formula in its docstring).
 
@@ -32,6 +35,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -109,7 +113,7 @@ class Steps:
 def save_round(state: dict[str, torch.Tensor], root: str, tiers: list[ckptd.Tier], steps: Steps) -> dict[str, float]:
     """One save with ``tiers``: blocking, committed, copied (seconds from the call) and the step
     time ratio during that window against the same length of quiet steps just before."""
-    with ckptd.Checkpointer(root, tiers=tiers, keep_last=2) as ckpt:
+    with ckptd.Checkpointer(root, tiers=tiers, keep_last=2, hold_after_exit=600) as ckpt:
         ckpt.save(0, {"model": state})  # the arena exists and the writer runs: a warm save is measured
         ckpt.wait_promotions()
         time.sleep(1.0)
@@ -142,13 +146,46 @@ import sys, time, json
 began = float(sys.argv[1])
 import torch, ckptd
 tiers = [ckptd.Tier(**t) for t in json.loads(sys.argv[3])]
-targets = {k: torch.empty(tuple(s)) for k, s in json.loads(sys.argv[4]).items()}
-with ckptd.Checkpointer(sys.argv[2], tiers=tiers) as ckpt:
+shapes = json.loads(sys.argv[4])
+targets = {k: torch.empty(tuple(s)) for k, s in shapes.items()}
+with ckptd.Checkpointer(sys.argv[2], tiers=tiers, hold_after_exit=600) as ckpt:
     started = time.time()
     ckpt.load("latest", into={"model": targets})
     done = time.time()
-    print(json.dumps({"total": done - began, "load": done - started, "tier": ckpt.last_load.tier}))
+fresh = {k: torch.empty(tuple(s)) for k, s in shapes.items()}  # the floor: the same bytes copy_'d into fresh tensors
+floor_started = time.perf_counter()
+for key, tensor in fresh.items():
+    tensor.copy_(targets[key])
+floor = time.perf_counter() - floor_started
+print(json.dumps({"total": done - began, "load": done - started, "tier": ckpt.last_load.tier, "copy_floor": floor}))
 """
+
+TRAINER = r"""
+import os, signal, sys, json
+sys.path.insert(0, sys.argv[1])
+import ckptd
+from bench_recovery import make_state
+ckpt = ckptd.Checkpointer(sys.argv[2], hold_after_exit=600, tiers=[ckptd.Tier(sys.argv[3])])
+ckpt.save(7, {"model": make_state(int(sys.argv[4]))})
+ckpt.wait_promotions()
+print("saved", flush=True)
+signal.pause()
+"""
+
+
+def trainer_killed_after_a_save(root: str, local: str, size_mib: int) -> None:
+    """A training process saves step 7 to ``root`` (with a local tier) and is SIGKILLed with its
+    process group, writer included, as torchrun kills a failed worker."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, os.path.dirname(os.path.abspath(__file__)), root, local, str(size_mib)],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert trainer.stdout is not None
+    if trainer.stdout.readline().strip() != b"saved":
+        raise SystemExit(f"the trainer failed (exit {trainer.wait()})")
+    os.killpg(trainer.pid, signal.SIGKILL)
+    trainer.wait()
 
 
 def restore(root: str, tiers: list[dict[str, Any]], shapes: dict[str, list[int]]) -> dict[str, float]:
@@ -197,17 +234,35 @@ def main() -> None:
         }
         if s3 is not None:
             configurations["+ S3 tier"] = lambda r: [ckptd.Tier(f"s3://tiers/{r}", keep_last=2, storage_options=s3)]
+        configurations["memory (shm://)"] = lambda r: []
+        configurations["memory + local tier"] = lambda r: [ckptd.Tier(os.path.join(work, f"slow-{r}"), keep_last=2)]
         steps = Steps()
         try:
             for index in range(args.rounds):  # interleaved: every configuration once per round
                 for number, (name, tiers) in enumerate(configurations.items()):
                     label = f"{index}-{number}"
-                    root = os.path.join(work, f"fast-{label}")
+                    memory = name.startswith("memory")
+                    root = f"shm://bench-recovery-{os.getpid()}-{label}" if memory else os.path.join(work, f"fast-{label}")
                     figures["save"].setdefault(name, []).append(save_round(state, root, tiers(label), steps))
+                    if memory:
+                        figures.setdefault("held_bytes", {})[name] = ckptd.drop_held(root).nbytes
                     shutil.rmtree(root, ignore_errors=True)
                     shutil.rmtree(os.path.join(work, f"slow-{label}"), ignore_errors=True)
         finally:
             steps.stop()
+
+        # ---- restore from memory, after the trainer was killed -------------------------------
+        held, behind = f"shm://bench-recovery-{os.getpid()}-restore", os.path.join(work, "restore-behind")
+        trainer_killed_after_a_save(held, behind, args.size_mib)
+        try:
+            figures.setdefault("held_bytes", {})["restore"] = next(r.nbytes for r in ckptd.held_roots() if r.url == held)
+            for _ in range(args.rounds):
+                row = restore(held, [{"root": behind}], shapes)
+                if row["tier"] != 0:
+                    raise SystemExit(f"the memory tier did not serve the restore: tier {row['tier']}")
+                figures["restore"].setdefault("memory tier 0 (trainer SIGKILLed)", []).append(row)
+        finally:
+            ckptd.drop_held(held, force=True)
 
         # ---- restore -------------------------------------------------------------------------
         fast, slow = os.path.join(work, "restore-fast"), os.path.join(work, "restore-slow")
@@ -247,23 +302,30 @@ def main() -> None:
         ratio = statistics.median(o["step_during"] / o["step_quiet"] for o in outcomes)
         summary[name] = {**med, "step_ratio": ratio}
         print(f"  {name:<22} {med['blocking']:7.3f}s {med['committed']:8.3f}s {med['copied']:7.3f}s   {ratio:.2f}x")
-    print("restore (fresh process)  start->restored   load alone   tier read")
+    held_bytes = figures.get("held_bytes", {})
+    for name, nbytes in held_bytes.items():
+        print(f"  memory held by {name}: {nbytes / 2**20:.0f} MiB (the root's files; the staging arena is apart)")
+    print("restore (fresh process)  start->restored   load alone   tier read   load / copy_ floor (median of pairs)")
     restored: dict[str, float] = {}
     for name, outcomes in figures["restore"].items():
         total = statistics.median(o["total"] for o in outcomes)
         load = statistics.median(o["load"] for o in outcomes)
+        ratio = statistics.median(o["load"] / o["copy_floor"] for o in outcomes)
         restored[name] = total
-        print(f"  {name:<32} {total:6.2f}s {load:10.2f}s   {outcomes[0]['tier']}")
-    print("  memory tier, peer replica: not built yet (issue 28 items 3 and 4)")
+        print(f"  {name:<32} {total:6.2f}s {load:10.2f}s   {outcomes[0]['tier']}   {ratio:.2f}x")
+    print("  peer replica: not built yet (issue 28 item 4)")
     figures["summary"] = summary
     one = summary["one tier (local)"]
     cost = one["blocking"]  # what training waits for; the slowdown while writing is reported above
-    warm = restored.get("local tier 0, page cache warm", float("nan"))
-    print("goodput (save every N s, 1 failure per H hours, restored from the warm local tier)")
+    sources = {
+        "memory": restored.get("memory tier 0 (trainer SIGKILLed)", float("nan")),
+        "local (warm)": restored.get("local tier 0, page cache warm", float("nan")),
+    }
+    print("goodput (save every N s, 1 failure per H hours, restored from memory | from the warm local tier)")
     for interval in (60.0, 600.0, 1800.0):
         for hours in (1.0, 24.0):
-            value = goodput(interval, cost, warm, 1 / hours)
-            print(f"  every {interval:6.0f}s  failure every {hours:4.0f}h  goodput {value:.4f}")
+            values = "  ".join(f"{goodput(interval, cost, seconds, 1 / hours):.4f}" for seconds in sources.values())
+            print(f"  every {interval:6.0f}s  failure every {hours:4.0f}h  goodput {values}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)

@@ -22,6 +22,7 @@ __all__ = [
     "CheckpointReader",
     "Checkpointer",
     "CheckpointerOptions",
+    "HeldRoot",
     "LoadSource",
     "PromotionResult",
     "RNGState",
@@ -34,9 +35,11 @@ __all__ = [
     "consolidate",
     "convert",
     "create_sharing_metadata",
+    "drop_held",
     "errors",
     "export_hf",
     "get_param_id_to_sharded_param_map",
+    "held_roots",
     "load_tensors_metadata",
     "optim_state_to_sharding_state",
     "retie_parameters",
@@ -52,6 +55,9 @@ _CORE = {
     "CheckpointManager": "manager",
     "CheckpointPolicy": "manager",
     "CheckpointReader": "load.reader",
+    "HeldRoot": "writer.keeper",
+    "drop_held": "writer.keeper",
+    "held_roots": "writer.keeper",
     "LoadSource": "tiers",
     "PromotionResult": "tiers",
     "RNGState": "rng",
@@ -184,6 +190,7 @@ if TYPE_CHECKING:
     from .tiers import LoadSource, PromotionResult, Tier
     from .tools.consolidate import consolidate
     from .tools.convert import convert, export_hf
+    from .writer.keeper import HeldRoot, drop_held, held_roots
 
 
 def __getattr__(name: str) -> Any:

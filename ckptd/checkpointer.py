@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import warnings
@@ -41,7 +42,7 @@ from .formats.names import parse_step
 from .garbage import collect_garbage
 from .load.assign import read_components, read_keys, reads_everything, restore_components
 from .load.reader import CheckpointReader
-from .options import CheckpointerOptions, check_staging
+from .options import DEFAULT_HELD_KEEP_LAST, CheckpointerOptions, check_staging
 from .request import SaveRequest, SaveResult
 from .save.arena import StagingPool
 from .save.saver import SaveJob, Saver
@@ -49,8 +50,10 @@ from .save.throttle import StepMonitor
 from .stats import StatsSummary
 from .storage import in_process_only, is_local, local_path, normalize_location, storage_for
 from .storage.cleanup import Cleanup
+from .storage.held import held_name, is_held
 from .tiers import LoadSource, Promoter, PromotionResult, Tier, committed_steps
 from .writer.client import InProcessWriter, WriterClient
+from .writer.keeper import HoldLease
 from .writer.owner import CtrlC, bind_to_process, check_process, exiting_on_ctrl_c, unbind
 
 __all__ = ["Checkpointer"]
@@ -79,7 +82,10 @@ class Checkpointer:
 
     Args:
         root: directory or URL holding the checkpoints (a path, ``file://``, ``s3://``,
-            ``gs://``, ``memory://`` or any fsspec URL).
+            ``gs://``, ``memory://`` or any fsspec URL), or ``shm://NAME``: a root held in this
+            user's shared memory on this host, which outlives the training process for
+            ``hold_after_exit`` (5 minutes by default) so a restarted trainer restores from
+            memory (``keep_last`` defaults to 2 there; see :mod:`ckptd.writer.keeper`).
         options: a :class:`~ckptd.CheckpointerOptions`; default: ``CheckpointerOptions.from_env()``
             (the ``DEFAULT_*`` values, replaced by the ``CKPTD_*`` variables that are set).
         process_group: the torch.distributed group whose ranks save together (default: the
@@ -113,6 +119,11 @@ class Checkpointer:
         root = os.fspath(root)
         base = options if options is not None else CheckpointerOptions.from_env()
         self.options = base.with_overrides(**overrides).for_location(remote=not is_local(root))
+        self._lease: HoldLease | None = None
+        if is_held(root):  # memory is finite: a held root keeps 2 unless told otherwise
+            if self.options.keep_last is None:
+                self.options = self.options.with_overrides(keep_last=DEFAULT_HELD_KEEP_LAST)
+            self._lease = HoldLease(held_name(root), float(self.options.hold_after_exit))
         self.root = normalize_location(root)
         self.storage = storage_for(self.root, self.options.storage_options, self.options.tuning)
         self.storage.check_access(self.root)
@@ -143,6 +154,8 @@ class Checkpointer:
             if self.options.no_dist
             else DistContext.detect(process_group, self.options.coordinator_rank, self.options.dist_timeout)
         )
+        if self._lease is not None and self._dist is not None:
+            _check_one_host(self._dist, root)
         self._pool = StagingPool(self._writer, self.options.max_in_flight)
         self._steps: StepMonitor | None = None
         if self.options.throttle:
@@ -182,7 +195,7 @@ class Checkpointer:
             self._owner_pid,
             self._jobs,
             self._completer,
-            (self._saver, self._steps, self._writer, self._pool, self._promoter),
+            (self._saver, self._steps, self._writer, self._pool, self._promoter, self._lease),
             self._cleanup,
             self.options.cleanup_timeout,
             self._atexit,
@@ -784,7 +797,9 @@ def _release(
     owner_pid: int,
     jobs: queue.Queue[Any],
     completer: threading.Thread,
-    parts: tuple[Saver, StepMonitor | None, WriterClient | InProcessWriter, StagingPool, Promoter | None],
+    parts: tuple[
+        Saver, StepMonitor | None, WriterClient | InProcessWriter, StagingPool, Promoter | None, HoldLease | None
+    ],
     cleanup: Cleanup,
     cleanup_timeout: float,
     exit_hook: Callable[[], None],
@@ -808,7 +823,7 @@ def _release(
         with contextlib.suppress(Exception):  # -W error must not turn this into a leak
             warnings.warn(f"{name} was not closed; its writer is stopped now", ResourceWarning, stacklevel=2)
         return
-    saver, steps, writer, pool, promoter = parts
+    saver, steps, writer, pool, promoter, lease = parts
     if abandon:
         writer.close(timeout=_ABANDON_WRITER_SECONDS)  # no save waits on it any longer
     jobs.put(None)
@@ -823,7 +838,21 @@ def _release(
         promoter.close(wait=wait and not abandon)
     cleanup.drain(min(cleanup_timeout, _ABANDON_SECONDS) if abandon else cleanup_timeout if wait else 0.0)
     cleanup.close()
+    if lease is not None:  # last: the held root's hold clock starts once no process uses it
+        lease.close()
     unbind(exit_hook)
+
+
+def _check_one_host(dist: DistContext, root: str) -> None:
+    """A held-memory root is one host's memory: every rank of the group must run on that host
+    (a commit across hosts needs a per-node commit, which held roots do not have)."""
+    hosts = sorted(set(dist.all_gather(socket.gethostname())))
+    if len(hosts) > 1:
+        raise ConfigError(
+            f"{root} is held in one host's memory, but the ranks of this group run on {len(hosts)} hosts "
+            f"({', '.join(hosts[:4])}{', ...' if len(hosts) > 4 else ''}): use a shared root (a path or URL) "
+            "with a group per host, or one Checkpointer per host with its own process group"
+        )
 
 
 def _step_of(path: str) -> int | None:

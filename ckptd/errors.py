@@ -17,6 +17,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DistributedSaveError",
     "ForeignFilesError",
+    "HeldRootInUseError",
     "KeyMismatchError",
     "MissingFileError",
     "ReferencedCheckpointError",
@@ -63,6 +64,10 @@ class ForeignFilesError(CheckpointExistsError):
 class ReferencedCheckpointError(CkptdError, PermissionError):
     """A checkpoint cannot be overwritten or deleted: checkpoints of an older ckptd version
     reference its files (their incremental saves pointed into it; new ones link their files)."""
+
+
+class HeldRootInUseError(CkptdError, PermissionError):
+    """A held-memory root (``shm://NAME``) cannot be dropped: a live process holds a lease on it."""
 
 
 class CorruptCheckpointError(CkptdError, ValueError):

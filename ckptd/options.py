@@ -45,6 +45,8 @@ DEFAULT_CLEANUP_TIMEOUT = 60.0
 DEFAULT_WRITER_NICE = 10
 DEFAULT_WRITER_IONICE = 7  # best-effort class, lowest priority
 DEFAULT_DIST_TIMEOUT = 600.0
+DEFAULT_HOLD_AFTER_EXIT = 300.0  # seconds a held-memory root (shm://NAME) outlives its last trainer
+DEFAULT_HELD_KEEP_LAST = 2  # keep_last of a held-memory root when none is given: memory is finite
 
 # async_save's staging modes: when it returns, and whether the writer starts during the copy.
 STAGING_MODES = ("blocking", "pipelined", "background")
@@ -87,6 +89,24 @@ def parse_size(value: int | str, what: str = "size") -> int:
             if size > 0:
                 return size
     raise ConfigError(f"{what} must be a positive int or a string like '2GB' or '512MiB', got {value!r}")
+
+
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_duration(value: float | str, what: str = "duration") -> float:
+    """Turn ``300``, ``"90s"``, ``"5min"`` or ``"1h"`` into seconds (zero allowed)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what} must be seconds or a string like '5min', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value >= 0 and value == value and value != float("inf"):
+            return float(value)
+    elif isinstance(value, str):
+        match = _DURATION_RE.match(value)
+        if match and match.group(2).lower() in _DURATION_UNITS:
+            return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
+    raise ConfigError(f"{what} must be seconds >= 0 or a string like '90s', '5min', '1h', got {value!r}")
 
 
 KEY_LAYOUTS = ("flat", "spread")
@@ -174,6 +194,11 @@ class CheckpointerOptions:
         another during a save, including the check-in before its collectives: a rank that does not
         arrive in time is named in a ``DistributedSaveError`` on every rank (``CKPTD_DIST_TIMEOUT``).
         ``no_dist``: save from this process alone even under torch.distributed (as DCP's ``no_dist``).
+    Held-memory roots (``shm://NAME``, see :mod:`ckptd.writer.keeper`):
+        ``hold_after_exit``: how long the root's checkpoints are kept in memory once no process
+        uses it any longer (the trainer closed, crashed or was killed), so that a restarted
+        trainer restores from memory: seconds, or a string such as ``"90s"``, ``"5min"``, ``"1h"``
+        (``CKPTD_HOLD_AFTER_EXIT``; default 5 minutes; 0: released as soon as the last user is gone).
     """
 
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
@@ -203,8 +228,10 @@ class CheckpointerOptions:
     coordinator_rank: int = 0
     dist_timeout: float = DEFAULT_DIST_TIMEOUT
     no_dist: bool = False
+    hold_after_exit: float | str = DEFAULT_HOLD_AFTER_EXIT
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "hold_after_exit", parse_duration(self.hold_after_exit, "hold_after_exit"))
         for name in ("max_shard_size", "chunk_size", "part_size"):
             object.__setattr__(self, name, parse_size(getattr(self, name), name))
         object.__setattr__(self, "storage_options", dict(self.storage_options or {}))
@@ -262,6 +289,9 @@ class CheckpointerOptions:
             raw = os.environ.get(variable)
             if raw:
                 values[name] = _parse_seconds(raw, variable)
+        raw = os.environ.get("CKPTD_HOLD_AFTER_EXIT")
+        if raw:
+            values["hold_after_exit"] = parse_duration(raw, "CKPTD_HOLD_AFTER_EXIT")
         raw = os.environ.get("CKPTD_THROTTLE")
         if raw:
             values["throttle"] = _parse_flag(raw, "CKPTD_THROTTLE")

@@ -38,6 +38,7 @@ from .load.pinning import OneVersion
 from .retention import RunRecord, apply_retention
 from .save.commit import open_staging, publish
 from .storage import RangeReader, Storage, normalize_location, storage_for
+from .storage.held import is_held
 
 __all__ = ["LoadSource", "PromotionResult", "Promoter", "Tier", "committed_steps", "promote_checkpoint"]
 
@@ -64,6 +65,11 @@ class Tier:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", os.fspath(self.root))
+        if is_held(self.root):
+            raise ConfigError(
+                f"Tier({self.root!r}): a held-memory root is the fastest tier: give it as the Checkpointer's root "
+                "and the slower roots as its tiers"
+            )
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
             raise ConfigError(f"Tier.every must be a positive number of steps, got {self.every!r}")
         if self.keep_last is not None and (isinstance(self.keep_last, bool) or self.keep_last < 1):

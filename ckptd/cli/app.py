@@ -128,7 +128,7 @@ def _global_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``ckptd`` parser with every subcommand."""
-    from . import demo, describe, diff, roots, transform
+    from . import demo, describe, diff, memory, roots, transform
 
     parser = _Parser(
         prog="ckptd",
@@ -149,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     describe.register(add)
     diff.register(add)
     transform.register(add)
+    memory.register(add)
     return parser
 
 

@@ -23,6 +23,7 @@ from ..errors import (
     ConfigError,
     CorruptCheckpointError,
     ForeignFilesError,
+    HeldRootInUseError,
     KeyMismatchError,
     ReferencedCheckpointError,
     StorageError,
@@ -130,9 +131,11 @@ def classify(error: BaseException, command: str) -> Failure:
         code, hint = error.code, error.hint
     elif isinstance(error, KeyboardInterrupt):
         code = EXIT_INTERRUPTED
-    elif isinstance(error, (CheckpointExistsError, ReferencedCheckpointError, FileExistsError)):
+    elif isinstance(error, (CheckpointExistsError, ReferencedCheckpointError, HeldRootInUseError, FileExistsError)):
         code = EXIT_CONFLICT
-        if isinstance(error, ReferencedCheckpointError):
+        if isinstance(error, HeldRootInUseError):
+            hint = "stop the trainer that uses it, or pass --force"
+        elif isinstance(error, ReferencedCheckpointError):
             hint = "remove the checkpoints that reference it first, or consolidate them ('ckptd consolidate')"
         elif isinstance(error, ForeignFilesError):  # never replaced, --overwrite or not
             hint = "pick another destination, or remove what is there yourself"

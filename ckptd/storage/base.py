@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from ..errors import MissingFileError, StorageError, UnsafeCheckpointError
+from .held import HELD_SCHEME, held_path, is_held
 
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT",
@@ -88,12 +89,20 @@ class StorageTuning:
 
 
 def is_local(url: str) -> bool:
-    """True for plain paths and ``file://`` URLs."""
-    return "://" not in url or url.startswith("file://")
+    """True for plain paths, ``file://`` URLs and held-memory roots (``shm://NAME``)."""
+    return "://" not in url or url.startswith("file://") or is_held(url)
 
 
 def local_path(url: str) -> str:
-    """The absolute filesystem path of a local path or ``file://`` URL."""
+    """The absolute filesystem path of a local path, ``file://`` URL or ``shm://`` root (of a
+    checkpoint under it: ``shm://run42/checkpoint-5``)."""
+    if is_held(url):
+        name, _, rest = url[len(HELD_SCHEME) :].partition("/")
+        root = held_path(HELD_SCHEME + name)
+        path = os.path.normpath(os.path.join(root, rest))
+        if path != root and not path.startswith(root + os.sep):
+            raise UnsafeCheckpointError(f"{url!r} leaves its held-memory root {HELD_SCHEME}{name}")
+        return path
     path = url[len("file://") :] if url.startswith("file://") else url
     return os.path.abspath(os.path.expanduser(path))
 

@@ -1,0 +1,261 @@
+"""How long a held-memory root (``shm://NAME``) outlives its trainers: leases and the keeper.
+
+A checkpoint saved to ``shm://NAME`` is a set of files in this user's private tmpfs directory
+(:mod:`ckptd.storage.held`): committed like any local checkpoint (manifest last, renamed into
+place), so a half-written one is never visible, and readable by the ordinary reader.  Files in
+a tmpfs survive the death of the process that wrote them (exception, SIGKILL, the OOM killer,
+torchrun's ``killpg``); what must not survive forever is the memory they take.  Two pieces bound it:
+
+1. **The lease.**  Every process with a :class:`~ckptd.Checkpointer` on ``shm://NAME`` holds a
+   shared ``flock`` on the name's ``inuse`` file (:class:`HoldLease`).  The kernel drops it when
+   the process closes it or dies, however it dies: no pid files, no heartbeat to miss.
+2. **The keeper.**  A small daemon per name (``python -m ckptd.writer.keeper NAME``), started by
+   the lease in a session of its own, so the signals that kill the trainer's process group do not
+   reach it.  One keeper runs per name (an exclusive ``flock`` on the ``keeper`` file; a second
+   one waits on it and exits at once when its turn comes with nothing left to keep).  Every
+   :data:`POLL_SECONDS` it tries the ``inuse`` lock exclusively: while a trainer holds a lease it
+   cannot, and the hold clock stays at zero.  Once no trainer holds one for ``hold_after_exit``
+   seconds (the ``settings`` file, written by the newest lease), it removes the root while it
+   holds the lock (a trainer arriving then waits for the removal and starts afresh) and exits.
+   It also exits when the root was removed by someone else (:func:`drop_held`, ``ckptd memory
+   drop``).
+
+A new trainer on the same host and name takes a lease, and its ``load("latest")`` reads the held
+checkpoint like any other, with CRC32C verification and the fallback to slower tiers (see
+:mod:`ckptd.tiers`).  Only this user can open the directory (``0700``), so only this user's
+processes can take a lease or read a snapshot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import CheckpointNotFoundError, ConfigError, HeldRootInUseError
+from ..options import DEFAULT_HOLD_AFTER_EXIT
+from ..storage.held import HELD_SCHEME, control_path, held_name, held_names, held_path
+
+__all__ = ["HeldRoot", "HoldLease", "drop_held", "held_roots", "main"]
+
+POLL_SECONDS = 0.25
+"""How often the keeper looks for a live trainer."""
+
+_START_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class HeldRoot:
+    """One held-memory root of this user: its URL and directory, the bytes its files take, whether
+    a live process holds a lease on it, the keeper's pid (``None``: no keeper runs) and the seconds
+    it is held once unused."""
+
+    url: str
+    path: str
+    nbytes: int
+    in_use: bool
+    keeper_pid: int | None
+    hold_after_exit: float | None
+
+
+class HoldLease:
+    """This process's claim on the held root ``name``: a shared lock on its ``inuse`` file, held
+    until :meth:`close` or the process's death; taking it records ``hold_after_exit`` and makes
+    sure a keeper runs.  Taking it waits while a keeper is removing the root."""
+
+    def __init__(self, name: str, hold_after_exit: float) -> None:
+        self.name = held_name(name)
+        _write_settings(self.name, hold_after_exit)
+        fd = os.open(control_path(self.name, "inuse"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._release = weakref.finalize(self, os.close, fd)  # a lease dropped unclosed is let go too
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            self.keeper_pid = start_keeper(self.name)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Let go of the lease (the hold clock starts once no process holds one)."""
+        self._release()
+
+
+def start_keeper(name: str) -> int:
+    """Start a keeper for ``name`` in a session of its own and return its pid (it may be one that
+    waits for the running keeper and exits)."""
+    try:
+        started = subprocess.run(
+            [sys.executable, "-m", "ckptd.writer.keeper", held_name(name)],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            start_new_session=True,
+            timeout=_START_TIMEOUT,
+            check=True,
+            text=True,
+        )
+        return int(started.stdout.split()[0])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        raise ConfigError(f"cannot start the keeper of {HELD_SCHEME}{name}: {detail.strip()}") from e
+
+
+def held_roots() -> list[HeldRoot]:
+    """This user's held-memory roots (``shm://NAME``), with their size, lease and keeper state."""
+    return [_describe(name) for name in held_names()]
+
+
+def drop_held(url: str, force: bool = False) -> HeldRoot:
+    """Remove the held-memory root ``url`` (``shm://NAME`` or NAME) and its control files, which
+    frees its memory; its keeper exits.  Refused with :class:`~ckptd.errors.HeldRootInUseError`
+    while a live process holds a lease on it, unless ``force``; a
+    :class:`~ckptd.errors.CheckpointNotFoundError` when there is no such root."""
+    name = held_name(url)
+    if name not in held_names():
+        raise CheckpointNotFoundError(f"{HELD_SCHEME}{name}: no such held-memory root")
+    described = _describe(name)
+    fd = os.open(control_path(name, "inuse"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if not _try_lock(fd, fcntl.LOCK_EX) and not force:
+            raise HeldRootInUseError(
+                f"{HELD_SCHEME}{name} is in use by a running trainer; stop it first, or drop it anyway with force"
+            )
+        _remove_root(name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(control_path(name, "settings"))
+    finally:
+        os.close(fd)
+    return described
+
+
+# ---- the keeper process -------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ckptd.writer.keeper NAME``: print the keeper's pid and leave it running."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        sys.stderr.write("usage: python -m ckptd.writer.keeper NAME\n")
+        return 2
+    name = held_name(args[0])
+    control_path(name, "keeper")  # the private directory, checked before forking
+    child = os.fork()
+    if child:
+        sys.stdout.write(f"{child}\n")
+        sys.stdout.flush()
+        return 0
+    try:
+        for signal_number in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(signal_number, signal.SIG_IGN)
+        os.chdir("/")
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for stream in (0, 1, 2):
+            os.dup2(devnull, stream)
+        keep(name)
+    finally:
+        os._exit(0)
+
+
+def keep(name: str) -> None:
+    """The keeper's loop (see the module docstring); returns once the root is removed."""
+    keeper = os.open(control_path(name, "keeper"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(keeper, fcntl.LOCK_EX)  # one keeper per name: the next one waits here
+    os.ftruncate(keeper, 0)
+    os.pwrite(keeper, f"{os.getpid()}\n".encode(), 0)
+    inuse = os.open(control_path(name, "inuse"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    unused_since: float | None = None
+    while True:
+        if _try_lock(inuse, fcntl.LOCK_EX):
+            try:
+                if not os.path.isdir(held_path(name)):  # dropped, or nothing was ever saved there
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(control_path(name, "settings"))
+                    return
+                now = time.monotonic()
+                unused_since = now if unused_since is None else unused_since
+                if now - unused_since >= _hold_seconds(name):
+                    _remove_root(name)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(control_path(name, "settings"))
+                    return
+            finally:
+                fcntl.flock(inuse, fcntl.LOCK_UN)
+        else:
+            unused_since = None
+        time.sleep(POLL_SECONDS)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def _try_lock(fd: int, mode: int) -> bool:
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _write_settings(name: str, hold_after_exit: float) -> None:
+    path = control_path(name, "settings")
+    staging = f"{path}.{os.getpid()}"
+    with open(staging, "w") as f:
+        json.dump({"hold_after_exit": float(hold_after_exit)}, f)
+    os.replace(staging, path)
+
+
+def _hold_seconds(name: str) -> float:
+    try:
+        with open(control_path(name, "settings")) as f:
+            return float(json.load(f)["hold_after_exit"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return DEFAULT_HOLD_AFTER_EXIT
+
+
+def _remove_root(name: str) -> None:
+    """Rename the root out of sight, then delete it (a reader never sees half a root)."""
+    path = held_path(name)
+    doomed = os.path.join(os.path.dirname(path), f".dropping-{name}-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _describe(name: str) -> HeldRoot:
+    path = held_path(name)
+    nbytes = 0
+    for directory, _, files in os.walk(path):
+        for file in files:
+            with contextlib.suppress(OSError):
+                nbytes += os.lstat(os.path.join(directory, file)).st_blocks * 512
+    in_use = False
+    with contextlib.suppress(FileNotFoundError):
+        fd = os.open(control_path(name, "inuse"), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            in_use = not _try_lock(fd, fcntl.LOCK_EX)
+        finally:
+            os.close(fd)
+    keeper_pid = None
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        fd = os.open(control_path(name, "keeper"), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if not _try_lock(fd, fcntl.LOCK_EX):
+                keeper_pid = int(os.pread(fd, 32, 0).split()[0])
+        finally:
+            os.close(fd)
+    hold = _hold_seconds(name) if os.path.exists(control_path(name, "settings")) else None
+    return HeldRoot(HELD_SCHEME + name, path, nbytes, in_use, keeper_pid, hold)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

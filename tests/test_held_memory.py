@@ -1,0 +1,296 @@
+"""Held-memory roots (``shm://NAME``): checkpoints in this user's shared memory that outlive the
+trainer for ``hold_after_exit``, restored by a new process, released by the keeper (or ``drop``).
+
+Real processes throughout: the trainer is a child process in a process group of its own, killed
+with ``killpg(SIGKILL)`` as torchrun kills its workers (the writer dies with it); the keeper is
+the real daemon; another user is a real uid (``setpriv``).  The session's held roots live under a
+base of their own (``CKPTD_HELD_DIR``, set by the ``leftover_processes`` plugin, which also fails
+the suite if a keeper or held memory is left)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_same, wait_for
+
+import ckptd
+from ckptd.errors import ConfigError, HeldRootInUseError, UnsafeCheckpointError
+from ckptd.storage.held import held_path, private_directory
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TRAINER = r"""
+import json, os, signal, sys
+import torch, ckptd
+
+root, local, last, hold, mode = sys.argv[1:6]
+
+def state(step):
+    generator = torch.Generator().manual_seed(step)
+    size = 4 * 1024 * 1024 if mode == "big" else 2048
+    return {"model": {"w": torch.randn(size, generator=generator), "b": torch.full((16,), float(step))},
+            "progress": {"step": step}}
+
+ckpt = ckptd.Checkpointer(root, hold_after_exit=float(hold), max_shard_size="4MiB",
+                          tiers=[ckptd.Tier(local, every=2, keep_last=2)])
+for step in range(1, int(last) + 1):
+    ckpt.save(step, state(step))
+ckpt.wait_promotions(60)
+if mode == "big":  # one more save, left writing: the test freezes and kills it mid-way
+    ckpt.async_save(int(last) + 1, state(int(last) + 1))
+print(json.dumps({"writer": ckpt.writer_pid, "keeper": ckptd.held_roots()[0].keeper_pid}), flush=True)
+signal.pause()
+"""
+
+
+def _state(step: int, mode: str = "small") -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(step)
+    size = 4 * 1024 * 1024 if mode == "big" else 2048
+    return {
+        "model": {"w": torch.randn(size, generator=generator), "b": torch.full((16,), float(step))},
+        "progress": {"step": step},
+    }
+
+
+def _name() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Trainer:
+    """A training process in a process group of its own, saving steps 1..last to ``root`` (with a
+    local tier every 2 steps), then waiting to be killed."""
+
+    def __init__(self, root: str, local: str, last: int, hold: float, mode: str = "small") -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", TRAINER, root, local, str(last), str(hold), mode],
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+            cwd=REPO,
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line, f"the trainer exited with {self.process.wait()} before it was ready"
+        self.pids = json.loads(line)
+
+    def kill_group(self) -> None:
+        """torchrun's way: SIGKILL to the trainer's whole process group (its writer included)."""
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
+        wait_for(lambda: not _alive(self.pids["writer"]), timeout=30)
+
+
+def _held_bytes(name: str) -> int:
+    return next((root.nbytes for root in ckptd.held_roots() if root.url == f"shm://{name}"), 0)
+
+
+def test_a_restarted_trainer_restores_from_memory_after_a_killpg_and_the_memory_is_released_after_the_hold(tmp_path):
+    name, local = _name(), str(tmp_path / "local")
+    trainer = Trainer(f"shm://{name}", local, last=3, hold=2.0)
+    keeper = trainer.pids["keeper"]
+    trainer.kill_group()
+    assert _alive(keeper), "the keeper runs in a session of its own: killpg must not reach it"
+    assert sorted(os.listdir(held_path(name))) == ["checkpoint-2", "checkpoint-3"]  # keep_last=2 by default
+    with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=0.5, tiers=[ckptd.Tier(local, every=2)]) as restarted:
+        assert restarted.latest_step() == 3
+        assert_same(_state(3), restarted.load())
+        assert restarted.last_load is not None and restarted.last_load.tier == 0  # from memory, not from disk
+        assert restarted.last_load.path == os.path.join(held_path(name), "checkpoint-3")
+    wait_for(lambda: not os.path.exists(held_path(name)), timeout=30)
+    wait_for(lambda: not _alive(keeper), timeout=30)
+    assert _held_bytes(name) == 0 and all(r.url != f"shm://{name}" for r in ckptd.held_roots())
+    with ckptd.Checkpointer(local) as disk:  # the local tier kept what was promoted to it
+        assert disk.steps() == [2]
+
+
+def test_a_trainer_killed_mid_save_leaves_its_previous_snapshot_and_never_serves_the_half_written_one(tmp_path):
+    name, local = _name(), str(tmp_path / "local")
+    trainer = Trainer(f"shm://{name}", local, last=1, hold=5.0, mode="big")
+    root = held_path(name)
+
+    def staged_bytes() -> int:
+        total = 0
+        for entry in os.listdir(root):
+            if entry.startswith(".checkpoint-2.tmp-"):
+                for directory, _, files in os.walk(os.path.join(root, entry)):
+                    total += sum(os.path.getsize(os.path.join(directory, f)) for f in files)
+        return total
+
+    wait_for(lambda: staged_bytes() > 0 or os.path.exists(os.path.join(root, "checkpoint-2")), timeout=60)
+    os.kill(trainer.pids["writer"], signal.SIGSTOP)
+    if os.path.exists(os.path.join(root, "checkpoint-2")):
+        os.kill(trainer.pids["writer"], signal.SIGCONT)
+        trainer.kill_group()
+        pytest.skip("the writer committed step 2 before it could be frozen mid-way (a very fast machine)")
+    trainer.kill_group()
+    assert staged_bytes() > 0  # a half-written snapshot of step 2 is in memory...
+    with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=0, tiers=[ckptd.Tier(local, every=2)]) as restarted:
+        assert restarted.steps() == [1]  # ...and is no checkpoint: never listed, never loaded
+        assert_same(_state(1, "big"), restarted.load())
+        assert restarted.last_load is not None and restarted.last_load.tier == 0
+        assert not [e for e in os.listdir(root) if e.startswith(".checkpoint-2.tmp-")]  # collected at open
+    wait_for(lambda: not os.path.exists(root), timeout=30)
+
+
+def test_a_new_trainer_takes_the_held_root_over_and_stops_the_clock(tmp_path):
+    name = _name()
+    trainer = Trainer(f"shm://{name}", str(tmp_path / "local"), last=2, hold=1.0)
+    keeper = trainer.pids["keeper"]
+    trainer.kill_group()
+    successor = ckptd.Checkpointer(f"shm://{name}", hold_after_exit=1.0)
+    try:
+        time.sleep(3.0)  # three times the hold: only the successor's lease keeps the root
+        assert successor.steps() == [1, 2]
+        assert next(r for r in ckptd.held_roots() if r.url == f"shm://{name}").in_use
+        successor.save(3, _state(3))
+    finally:
+        successor.close()
+    wait_for(lambda: not os.path.exists(held_path(name)), timeout=30)
+    wait_for(lambda: not _alive(keeper), timeout=30)
+
+
+def test_memory_that_lost_the_newest_step_gives_way_to_the_local_tier(tmp_path):
+    name, local = _name(), str(tmp_path / "local")
+    with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=0, tiers=[ckptd.Tier(local, every=2)]) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, _state(step))
+        assert ckpt.wait_promotions(60)
+    wait_for(lambda: not os.path.exists(held_path(name)), timeout=30)  # released at once: the host "rebooted"
+    with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=0, tiers=[ckptd.Tier(local, every=2)]) as restarted:
+        assert_same(_state(2), restarted.load())
+        assert restarted.last_load is not None and restarted.last_load.tier == 1
+    wait_for(lambda: not os.path.exists(held_path(name)), timeout=30)
+
+
+def test_a_damaged_held_snapshot_is_refused_and_the_local_copy_loads(tmp_path):
+    name, local = _name(), str(tmp_path / "local")
+    with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=0, tiers=[ckptd.Tier(local, every=2)]) as ckpt:
+        ckpt.save(2, _state(2))
+        assert ckpt.wait_promotions(60)
+        shard = next(
+            os.path.join(directory, f)
+            for directory, _, files in os.walk(held_path(name))
+            for f in files
+            if f.endswith(".safetensors")
+        )
+        with open(shard, "r+b") as f:
+            f.seek(-3, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x01]))
+        assert_same(_state(2), ckpt.load())
+        assert ckpt.last_load is not None and ckpt.last_load.tier == 1
+    wait_for(lambda: not os.path.exists(held_path(name)), timeout=30)
+
+
+def test_drop_is_refused_while_a_trainer_uses_the_root_and_frees_it_otherwise(tmp_path):
+    name = _name()
+    ckpt = ckptd.Checkpointer(f"shm://{name}", hold_after_exit=300)
+    try:
+        ckpt.save(1, _state(1))
+        (described,) = [r for r in ckptd.held_roots() if r.url == f"shm://{name}"]
+        assert described.in_use and described.nbytes >= 2048 * 4 and described.hold_after_exit == 300
+        assert described.keeper_pid is not None and _alive(described.keeper_pid)
+        with pytest.raises(HeldRootInUseError, match=name):
+            ckptd.drop_held(f"shm://{name}")
+        assert os.path.isdir(held_path(name))
+    finally:
+        ckpt.close()
+    assert os.path.isdir(held_path(name))  # held for 300 s...
+    dropped = ckptd.drop_held(name)  # ...unless dropped
+    assert dropped.url == f"shm://{name}" and not dropped.in_use
+    assert not os.path.exists(held_path(name))
+    wait_for(lambda: not _alive(described.keeper_pid), timeout=30)  # the keeper saw it go
+    with pytest.raises(ckptd.errors.CheckpointNotFoundError):
+        ckptd.drop_held(name)
+
+
+def test_a_private_directory_that_is_not_private_is_refused(tmp_path, monkeypatch):
+    base = tmp_path / "base"
+    base.mkdir()
+    monkeypatch.setenv("CKPTD_HELD_DIR", str(base))
+    mine = base / f"ckptd-{os.getuid()}"
+    mine.mkdir(mode=0o700)
+    os.chmod(mine, 0o755)  # readable by everyone: another user could read the snapshots
+    with pytest.raises(UnsafeCheckpointError, match="not a private directory"):
+        ckptd.Checkpointer("shm://x")
+    os.rmdir(mine)
+    (base / "elsewhere").mkdir(mode=0o700)
+    os.symlink(base / "elsewhere", mine)  # a link planted by someone else
+    with pytest.raises(UnsafeCheckpointError, match="not a private directory"):
+        ckptd.Checkpointer("shm://x")
+    os.unlink(mine)
+    if os.getuid() == 0:
+        mine.mkdir(mode=0o700)
+        os.chown(mine, 65534, 65534)  # another user's
+        with pytest.raises(UnsafeCheckpointError, match="owner uid 65534"):
+            ckptd.Checkpointer("shm://x")
+    for bad in ("shm://", "shm://a/b", "shm://..", "shm://.hidden"):
+        with pytest.raises(ConfigError):
+            ckptd.Checkpointer(bad)
+    with pytest.raises(ConfigError, match="fastest tier"):
+        ckptd.Tier("shm://x")
+
+
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_another_user_cannot_read_or_take_a_held_snapshot(tmp_path):
+    name = _name()
+    with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=0) as ckpt:
+        ckpt.save(1, _state(1))
+        shard = next(
+            os.path.join(directory, f)
+            for directory, _, files in os.walk(held_path(name))
+            for f in files
+            if f.endswith(".safetensors")
+        )
+        probe = f"""
+import os, sys
+sys.path.insert(0, {REPO!r})
+from ckptd.writer.keeper import held_roots
+for what in (lambda: os.listdir({private_directory()!r}), lambda: open({shard!r}, "rb").read(1)):
+    try:
+        what()
+        print("READ")
+    except PermissionError:
+        print("denied")
+print([root.url for root in held_roots()])  # its own namespace: none of ours
+"""
+        system_python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
+        result = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", system_python, "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd="/",
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split("\n")[:3] == ["denied", "denied", "[]"], result.stdout + result.stderr
+    wait_for(lambda: not os.path.exists(held_path(name)), timeout=30)
+
+
+def test_hold_after_exit_reads_durations_and_the_environment(monkeypatch):
+    assert ckptd.CheckpointerOptions(hold_after_exit="5min").hold_after_exit == 300.0
+    assert ckptd.CheckpointerOptions(hold_after_exit="90s").hold_after_exit == 90.0
+    assert ckptd.CheckpointerOptions(hold_after_exit=0).hold_after_exit == 0.0
+    monkeypatch.setenv("CKPTD_HOLD_AFTER_EXIT", "1h")
+    assert ckptd.CheckpointerOptions.from_env().hold_after_exit == 3600.0
+    for bad in (-1, "soon", "5 days", True, float("nan")):
+        with pytest.raises(ConfigError, match="hold_after_exit"):
+            ckptd.CheckpointerOptions(hold_after_exit=bad)
