@@ -136,7 +136,7 @@ def _describe_checkpoint(reader: Any, top: int) -> dict[str, Any]:
             dtypes = Counter(dtype for dtype, _, _, _ in found.values())
             count = len(found) or len(reader.keys(name))
             kind = reader.kind if reader.kind == "dcp" else "safetensors"
-            kind = "torch_bin" if reader.kind.startswith("torch_bin") else kind
+            kind = "torch_bin" if reader.kind.startswith("torch_bin") or reader.kind == "torch_checkpointing" else kind
             body["components"].append(
                 {
                     "name": name,
@@ -166,7 +166,8 @@ def _describe_checkpoint(reader: Any, top: int) -> dict[str, Any]:
 
 def tensor_shapes(reader: Any, component: str) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
     """Dtype, shape, bytes and pieces of each stored tensor of a component of a checkpoint with no
-    ckptd manifest (none for ``.bin`` files, which only torch can open: their keys are listed)."""
+    ckptd manifest (none for ``.bin`` files, which only torch can open: their keys are listed;
+    torch_checkpointing's ``.pt`` items are loaded by torch, ``weights_only``)."""
     if reader.kind == "dcp":  # torch read its .metadata
         from ..formats.safetensors import DTYPE_ITEMSIZE
         from ..formats.torch_dtypes import dtype_name
@@ -177,6 +178,11 @@ def tensor_shapes(reader: Any, component: str) -> dict[str, tuple[str, tuple[int
             dtype, shape = dtype_name(layout.dtypes[fqn], key), tuple(layout.shapes[fqn])
             out[key] = (dtype, shape, math.prod(shape) * DTYPE_ITEMSIZE[dtype], 1)
         return out
+    if reader.kind == "torch_checkpointing":  # torch.save items: torch loads them (memory-mapped) to tell
+        from ..formats.torch_dtypes import dtype_name
+
+        loaded = reader.read(component)
+        return {key: (dtype_name(t.dtype, key), tuple(t.shape), t.nbytes, 1) for key, t in loaded.items()}
     try:
         records = reader.locate(component)
     except (CorruptCheckpointError, KeyError):

@@ -40,6 +40,7 @@ __all__ = [
     "MAX_DIMENSION",
     "REUSE_KINDS",
     "STATE_FORMAT",
+    "check_tensor_record",
     "check_tied_groups",
     "hf_index",
     "parse_hf_index",
@@ -478,6 +479,14 @@ def _reference(body: dict[str, Any], where: str) -> str | None:
     if not isinstance(name, str) or parse_step(name) is None:
         raise CorruptCheckpointError(f"{where}: file reference {name!r} is not a sibling checkpoint name")
     return name
+
+
+def check_tensor_record(record: TensorRecord, where: str, files: Mapping[str, FileRecord]) -> None:
+    """Raise :class:`~ckptd.errors.CorruptCheckpointError` unless ``record`` is consistent with
+    ``files`` (their sizes) as a manifest's records must be: a known dtype, every chunk inside
+    the tensor and its file, every element covered exactly once.  For records built from other
+    tools' files (DCP's HF shards), checked as ckptd's own."""
+    _check_tensor(record, where, files)
 
 
 def _check_tensor(record: TensorRecord, where: str, files: Mapping[str, FileRecord]) -> None:

@@ -45,7 +45,9 @@ from ..formats.manifest import (
 from ..formats.names import MANIFEST_NAME, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_BIN_INDEX, TORCH_BIN_SINGLE
 from ..formats.safetensors import SafetensorsHeader, read_header
 from ..storage import RangeReader, Storage, check_file_name, normalize_location, storage_for
+from .hf_dcp_shards import is_hf_dcp_sharded, shard_files, shard_records
 from .pinning import OneVersion, holder
+from .torch_checkpointing import is_torch_checkpointing
 from .verify import file_crcs
 
 if TYPE_CHECKING:
@@ -105,7 +107,7 @@ def _torch_reader(location: str, storage_options: dict[str, Any] | None, require
 class CheckpointView:
     """A ckptd or HF safetensors checkpoint, read without torch (see :func:`open_view`).
 
-    ``kind`` is ``"ckptd"``, ``"hf_sharded"`` or ``"safetensors"``; ``manifest`` is set for
+    ``kind`` is ``"ckptd"``, ``"hf_sharded"``, ``"hf_dcp_sharded"`` or ``"safetensors"``; ``manifest`` is set for
     ckptd checkpoints.  A local view holds the checkpoint directory open until :meth:`close`.
     Thread-safe.
     """
@@ -165,10 +167,30 @@ class CheckpointView:
             return self._add_single_file(SAFETENSORS_SINGLE)
         if TORCH_BIN_INDEX in names or TORCH_BIN_SINGLE in names:
             return False
+        if is_hf_dcp_sharded(names):
+            self._add_hf_dcp_shards(shard_files(names))
+            return True
+        if is_torch_checkpointing(names):
+            return False  # pickled .pt items: torch reads them
         raise CheckpointNotFoundError(
             f"{directory}: no checkpoint found (looked for {MANIFEST_NAME}, {SAFETENSORS_INDEX}, "
-            f"{SAFETENSORS_SINGLE}, {TORCH_BIN_INDEX}, {TORCH_BIN_SINGLE})"
+            f"{SAFETENSORS_SINGLE}, {TORCH_BIN_INDEX}, {TORCH_BIN_SINGLE}, DCP's .metadata, DCP's HF "
+            "shard-*-model-*.safetensors, torch_checkpointing's metadata.pkl or <item>_<rank>.pt)"
         )
+
+    def _add_hf_dcp_shards(self, files: list[str]) -> None:
+        """The per-rank shards of DCP's ``HuggingFaceStorageWriter`` (:mod:`.hf_dcp_shards`)."""
+        self.kind = "hf_dcp_sharded"
+        sizes: dict[str, int] = {}
+        for name in files:
+            opened = self.open(name)
+            try:
+                sizes[name] = opened.size
+            finally:
+                opened.close()
+        records = shard_records({name: self._header(name) for name in files}, sizes, self.directory)
+        weight_map = {key: record.file for key, record in records.items()}
+        self._components["model"] = _Component("safetensors", weight_map, records, {})
 
     def _add_manifest(self, manifest: Manifest, where: str) -> None:
         self.kind, self.manifest = "ckptd", manifest

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno as errno_codes
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from ..catalog import sibling_checkpoint
@@ -180,16 +180,19 @@ class OneVersion:
         data = self.read_small(name, follow_symlinks=False)
         return data if record is None else check_listed(data, record, where)
 
-    def load_bin(self, name: str, path: str, checkpoint: str | None) -> dict[str, torch.Tensor]:
+    def load_bin(
+        self, name: str, path: str, checkpoint: str | None, load: Callable[[str], dict[str, torch.Tensor]] | None = None
+    ) -> dict[str, torch.Tensor]:
         """A local ``.bin`` file, which torch opens by path (memory-mapped): the path must name
         the pinned directory's file before and after, so torch read that very file (its inode
-        stays in use meanwhile, so no other file can take its identity)."""
+        stays in use meanwhile, so no other file can take its identity).  ``load(path)`` reads
+        it (default: :func:`~ckptd.formats.torch_bin.load_bin`, a flat mapping of tensors)."""
         pinned = self.pinned(checkpoint)
         if not pinned.same_file(name, path):
             raise _replaced_file(path, pinned)
         from ..formats.torch_bin import load_bin  # torch: only for the pickled formats
 
-        tensors = load_bin(path)
+        tensors = (load or load_bin)(path)
         if not pinned.same_file(name, path):
             raise _replaced_file(path, pinned)
         return tensors

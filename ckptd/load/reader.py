@@ -4,9 +4,11 @@
 Formats, in detection order: a ckptd checkpoint (``checkpoint_manifest.json`` in ckptd's
 schema; another tool's manifest of that name, e.g. Forgather's, is looked past), a PyTorch DCP
 checkpoint (``.metadata`` + ``*.distcp``, read by torch: see :mod:`.dcp`), an HF sharded
-safetensors checkpoint (``model.safetensors.index.json``), a single ``model.safetensors``, and
+safetensors checkpoint (``model.safetensors.index.json``), a single ``model.safetensors``,
 PyTorch ``pytorch_model.bin.index.json`` / ``pytorch_model.bin`` (read with
-``weights_only=True``).  File names come from indexes and manifests, so every name is checked to
+``weights_only=True``), the per-rank shards of DCP's ``HuggingFaceStorageWriter`` (see
+:mod:`.hf_dcp_shards`) and a torch_checkpointing checkpoint (``<item>_<rank>.pt``, see
+:mod:`.torch_checkpointing`).  File names come from indexes and manifests, so every name is checked to
 stay inside the checkpoint directory.  Sizes are checked on every load; CRC32C when asked.
 
 One version: a load never combines files of two versions of a checkpoint that is overwritten
@@ -15,7 +17,7 @@ PinnedDirectory`) and every file is opened relative to it; on object stores the 
 version stamp is taken before it is read and compared after the reads (before any value is
 returned).  A replacement noticed either way is :class:`~ckptd.errors.CheckpointReplacedError`.
 
-This module is longer than 450 lines on purpose: detecting six formats, the one read path they
+This module is longer than 450 lines on purpose: detecting eight formats, the one read path they
 share and the pinning of that path to one version belong to one class; fetching bytes
 (:mod:`.fetch`), DCP (:mod:`.dcp`), assigning (:mod:`.assign`) and the pinned directory
 (:mod:`ckptd.storage.local_read`) already live apart.
@@ -54,7 +56,7 @@ from ..formats.manifest import (
 )
 from ..formats.names import MANIFEST_NAME, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_BIN_INDEX, TORCH_BIN_SINGLE
 from ..formats.safetensors import SafetensorsHeader, read_header
-from ..formats.torch_bin import load_bin_bytes
+from ..formats.torch_bin import load_bin_bytes, load_tree, load_tree_bytes
 from ..storage import (
     RangeReader,
     Storage,
@@ -75,8 +77,10 @@ from .fetch import (
     preview,
     read_requests,
 )
+from .hf_dcp_shards import is_hf_dcp_sharded, shard_files, shard_records
 from .pinning import OneVersion, holder
 from .to_device import DeviceRequest
+from .torch_checkpointing import METADATA_FILE, is_torch_checkpointing, item_files
 from .verify import file_crcs
 
 __all__ = [
@@ -130,8 +134,9 @@ class PendingRead:
 class CheckpointReader:
     """A checkpoint opened for reading, in any supported format.
 
-    ``kind`` is ``"ckptd"``, ``"dcp"``, ``"hf_sharded"``, ``"safetensors"``,
-    ``"torch_bin_sharded"`` or ``"torch_bin"``.  ``manifest`` is set for ckptd checkpoints.
+    ``kind`` is ``"ckptd"``, ``"dcp"``, ``"hf_sharded"``, ``"hf_dcp_sharded"`` (the per-rank
+    shards of DCP's ``HuggingFaceStorageWriter``), ``"safetensors"``, ``"torch_bin_sharded"``,
+    ``"torch_bin"`` or ``"torch_checkpointing"`` (each item a component).  ``manifest`` is set for ckptd checkpoints.
 
     Everything read through one reader comes from one version of the checkpoint.  If it is
     overwritten or deleted meanwhile, a read raises
@@ -162,6 +167,7 @@ class CheckpointReader:
         self._verified: set[str] = set()
         self._state_trees: dict[str, Any] | None = None
         self._dcp_layout: tuple[DcpLayout, dict[str, Any] | None] | None = None
+        self._trees: dict[str, str] = {}  # torch.save files of any structure -> item (torch_checkpointing)
         self._version = version if version is not None else OneVersion(storage, directory)
         weakref.finalize(self, self._version.close)
 
@@ -244,9 +250,14 @@ class CheckpointReader:
             return cls._indexed(directory, storage, TORCH_BIN_INDEX, "torch_bin", "torch_bin_sharded", cache, version)
         if TORCH_BIN_SINGLE in names:
             return cls._single_file(storage, directory, TORCH_BIN_SINGLE, cache, version)
+        if is_hf_dcp_sharded(names):
+            return cls._hf_dcp_shards(directory, storage, cache, version, names)
+        if is_torch_checkpointing(names):
+            return cls._torch_checkpointing(directory, storage, cache, version, names)
         raise CheckpointNotFoundError(
             f"{directory}: no checkpoint found (looked for {MANIFEST_NAME}, {SAFETENSORS_INDEX}, "
-            f"{SAFETENSORS_SINGLE}, {TORCH_BIN_INDEX}, {TORCH_BIN_SINGLE})"
+            f"{SAFETENSORS_SINGLE}, {TORCH_BIN_INDEX}, {TORCH_BIN_SINGLE}, DCP's .metadata, DCP's HF "
+            f"shard-*-model-*.safetensors, torch_checkpointing's {METADATA_FILE} or <item>_<rank>.pt)"
         )
 
     @classmethod
@@ -303,6 +314,47 @@ class CheckpointReader:
         sources = {name: _Source("dcp", dict(fqns), None, {}) for name, fqns in layout.components.items()}
         reader = cls(directory, storage, "dcp", sources, None, cache, version=version)
         reader._dcp_layout = (layout, storage_options)
+        return reader
+
+    @classmethod
+    def _hf_dcp_shards(
+        cls, directory: str, storage: Storage, cache: FileCache | None, version: OneVersion, names: set[str]
+    ) -> CheckpointReader:
+        """The per-rank shards of DCP's ``HuggingFaceStorageWriter(save_distributed=True)``: one
+        record per tensor, a chunk per rank's piece (:mod:`.hf_dcp_shards`)."""
+        reader = cls(directory, storage, "hf_dcp_sharded", {}, None, cache, version=version)
+        files = shard_files(names)
+        sizes: dict[str, int] = {}
+        for name in files:
+            opened = reader._open(name)
+            try:
+                sizes[name] = opened.size
+            finally:
+                opened.close()
+        records = shard_records({name: reader._header(name) for name in files}, sizes, directory)
+        weight_map = {key: record.file for key, record in records.items()}
+        reader._sources["model"] = _Source("safetensors", weight_map, records, {})
+        return reader
+
+    @classmethod
+    def _torch_checkpointing(
+        cls, directory: str, storage: Storage, cache: FileCache | None, version: OneVersion, names: set[str]
+    ) -> CheckpointReader:
+        """A torch_checkpointing checkpoint: each item a component (:mod:`.torch_checkpointing`);
+        ``.pt`` items are loaded whole by torch (``weights_only``) to list their tensors."""
+        metadata = version.read_small(METADATA_FILE, follow_symlinks=False) if METADATA_FILE in names else None
+        reader = cls(directory, storage, "torch_checkpointing", {}, None, cache, version=version)
+        for item, found in item_files(names, metadata, directory).items():
+            if found.format == "safetensors":
+                entries = reader._header(found.file).entries
+                reader._sources[item] = _Source("safetensors", dict.fromkeys(entries, found.file), None, {})
+            else:
+                reader._trees[found.file] = item
+                keys = reader._load_bin(found.file)
+                if not keys:  # a number, a string, param-less state: no tensors to read
+                    logger.debug("%s: item %r holds no tensors", directory, item)
+                    continue
+                reader._sources[item] = _Source("torch_bin", dict.fromkeys(keys, found.file), None, {})
         return reader
 
     @classmethod
@@ -615,12 +667,18 @@ class CheckpointReader:
             p.done = True
 
     def _load_bin(self, file_name: str) -> dict[str, torch.Tensor]:
+        """A ``.bin`` file's tensors; for a torch_checkpointing item's file (in ``_trees``) those
+        of any structure, flattened (a bare tensor is keyed by its item's name)."""
         path = self._path(file_name)
+        tree = file_name in self._trees
+        name = self._trees.get(file_name, "")
         if self.storage.local:
             record = self.manifest.files.get(file_name) if self.manifest is not None else None
-            return self._version.load_bin(file_name, path, record.checkpoint if record else None)
+            load = functools.partial(load_tree, name=name) if tree else None
+            return self._version.load_bin(file_name, path, record.checkpoint if record else None, load)
         with self._version.guard():
-            tensors = load_bin_bytes(self.storage.read_bytes(path), path)
+            data = self.storage.read_bytes(path)
+            tensors = load_tree_bytes(data, path, name) if tree else load_bin_bytes(data, path)
         self._version.check_unchanged()
         return tensors
 

@@ -77,7 +77,8 @@ class Tensors:
 
 def from_reader(path: str, component: str | None, storage_options: dict[str, Any] | None = None) -> Tensors:
     """The tensors of ``component`` (default: the model's) of a checkpoint that
-    :class:`~ckptd.load.reader.CheckpointReader` opens (ckptd, HF safetensors or ``.bin``), with
+    :class:`~ckptd.load.reader.CheckpointReader` opens (ckptd, HF safetensors or ``.bin``, DCP's
+    HF shards, a torch_checkpointing item), with
     the source's ``config.json`` when ``component`` is the model (``model``, or the only one)."""
     from ..load.reader import CheckpointReader
     from ..save.layout import WriteItem, describe_tensors
@@ -92,7 +93,7 @@ def from_reader(path: str, component: str | None, storage_options: dict[str, Any
         config = reader.storage.read_bytes(reader.storage.join(reader.directory, HF_CONFIG))
     step = reader.manifest.step if reader.manifest is not None else None
     tied = reader.tied_groups(name)
-    if reader.kind.startswith("torch_bin"):  # pickled .bin files are read whole (weights_only)
+    if reader.kind.startswith("torch_bin") or reader.kind == "torch_checkpointing":  # pickles: whole, weights_only
         aliases = {alias for group in tied for alias in group[1:]}
         tensors = {k: v for k, v in reader.read(name).items() if k not in aliases}
         return Tensors(describe_tensors(name, tensors), tensors.__getitem__, tied, step, config)
