@@ -137,7 +137,9 @@ class Checkpointer:
             roots = [self.root] + [normalize_location(t.root) for t in tier_list]
             if len(set(roots)) != len(roots):
                 raise ConfigError(f"every tier needs a root of its own; got {roots}")
-            self._promoter = Promoter(self.storage, tier_list)
+            self._promoter = Promoter(
+                self.storage, tier_list, nice=self.options.writer_nice, ionice=self.options.writer_ionice
+            )
         self._writer: WriterClient | InProcessWriter = (
             InProcessWriter()
             if in_process_only(self.root)

@@ -9,6 +9,8 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
+import threading
 from typing import Any
 
 import pytest
@@ -306,3 +308,18 @@ def test_an_overwrite_replaces_the_tiers_copy_of_that_step_too(backend, tmp_path
     with ckptd.Checkpointer(**read_back) as copy:
         assert copy.steps() == [3]
         assert_same(_state(30), copy.load(3, verify=True))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
+def test_the_copies_run_at_the_writers_lower_priority(tmp_path):
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with ckptd.Checkpointer(fast, writer_nice=5, tiers=[ckptd.Tier(slow)]) as ckpt:
+        (copier,) = [t for t in threading.enumerate() if t.name == "ckptd-promote"]
+        assert copier.native_id is not None
+        wait_for(lambda: os.getpriority(os.PRIO_PROCESS, copier.native_id) == min(19, before + 5))
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # training keeps its own
+        ckpt.save(1, _state(1))
+        assert ckpt.wait_promotions(60)
+    with ckptd.Checkpointer(slow) as tier:
+        assert_same(_state(1), tier.load(1, verify=True))

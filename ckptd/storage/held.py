@@ -28,6 +28,7 @@ __all__ = [
     "held_name",
     "held_names",
     "held_path",
+    "in_held_memory",
     "is_held",
     "private_directory",
 ]
@@ -86,6 +87,15 @@ def private_directory(create: bool = True) -> str:
 def held_path(url: str) -> str:
     """The directory of the held root ``shm://NAME`` (its parent checked private)."""
     return os.path.join(private_directory(), held_name(url))
+
+
+def in_held_memory(path: str) -> bool:
+    """Whether the local ``path`` lies in this user's held-memory directory (a tmpfs by default)."""
+    try:
+        directory = private_directory(create=False)
+    except UnsafeCheckpointError:
+        return False
+    return os.path.abspath(path).startswith(directory + os.sep)
 
 
 def control_path(name: str, kind: str) -> str:

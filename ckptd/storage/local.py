@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno as errno_codes
-import fcntl
 import logging
 import os
 import secrets
@@ -14,22 +13,12 @@ from ..errors import CheckpointExistsError, StorageError
 from .base import Stopped, StorageTuning, missing_file, storage_error
 from .liveness import lock_new_file
 from .local_read import LocalReader
+from .local_write import DIRECT_ALIGNMENT, copy_range, create_new, write_all, write_piece
 from .rename import exchange_paths
 
 __all__ = ["LocalStorage", "exchange_paths"]
 
 logger = logging.getLogger(__name__)
-
-
-def _create_new(path: str, flags: int) -> int:
-    """Open ``path`` as a new, empty file (``O_EXCL``).  An existing file of that name is unlinked
-    first, never truncated: it may be a hard link another checkpoint shares (incremental saves),
-    whose bytes must not change."""
-    try:
-        return os.open(path, flags | os.O_EXCL, 0o644)
-    except FileExistsError:
-        os.unlink(path)
-        return os.open(path, flags | os.O_EXCL, 0o644)
 
 
 # link() errors meaning "no hard link here" (another device, a filesystem or a policy that refuses
@@ -43,51 +32,6 @@ _NO_LINK = {
     errno_codes.EACCES,
     errno_codes.ENOSYS,
 }
-
-
-def _copy_range(source_fd: int, target_fd: int, size: int, source: str) -> None:
-    """Copy ``size`` bytes between two open files in the kernel (``copy_file_range``, which can
-    share extents on filesystems that support it), falling back to ``sendfile``."""
-    copied = 0
-    use_range = hasattr(os, "copy_file_range")
-    while copied < size:
-        count = min(size - copied, 1 << 30)
-        if use_range:
-            try:
-                done = os.copy_file_range(source_fd, target_fd, count, copied, copied)
-            except OSError as e:
-                if e.errno not in (errno_codes.EXDEV, errno_codes.ENOSYS, errno_codes.EINVAL, errno_codes.EOPNOTSUPP):
-                    raise
-                use_range = False
-                continue
-        else:
-            os.lseek(target_fd, copied, os.SEEK_SET)
-            done = os.sendfile(target_fd, source_fd, copied, count)
-        if done == 0:
-            raise StorageError(errno_codes.EIO, f"{source} ended at byte {copied}, expected {size} bytes")
-        copied += done
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        written = os.write(fd, data)
-        data = data[written:]
-
-
-def _buffered(fd: int) -> bool:
-    """Clear ``O_DIRECT`` on an open file; returns False (the new value of "direct")."""
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-    return False
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        written = os.pwrite(fd, data, offset)
-        data = data[written:]
-        offset += written
-
-
-_DIRECT_ALIGNMENT = 4096
 
 
 class LocalStorage:
@@ -192,31 +136,23 @@ class LocalStorage:
         on_progress: Callable[[int], None],
     ) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
-        direct = self.tuning.direct_io and whole and hasattr(os, "O_DIRECT") and chunk_size % _DIRECT_ALIGNMENT == 0
+        direct = self.tuning.direct_io and whole and hasattr(os, "O_DIRECT") and chunk_size % DIRECT_ALIGNMENT == 0
         try:
             if whole:
-                fd = _create_new(path, flags | (os.O_DIRECT if direct else 0))
+                fd = create_new(path, flags | (os.O_DIRECT if direct else 0))
             else:
                 fd = os.open(path, flags, 0o644)
         except OSError as e:
             if not direct or e.errno != errno_codes.EINVAL:
                 raise storage_error("create", path, e) from e
             direct = False  # this filesystem has no O_DIRECT
-            fd = _create_new(path, flags)
+            fd = create_new(path, flags)
         try:
             for start in range(0, len(view), chunk_size):
                 if should_stop():
                     raise Stopped(path)
                 chunk = view[start : start + chunk_size]
-                if direct and len(chunk) % _DIRECT_ALIGNMENT:
-                    direct = _buffered(fd)  # the unaligned tail
-                try:
-                    _pwrite_all(fd, chunk, offset + start)
-                except OSError as e:
-                    if not (direct and e.errno == errno_codes.EINVAL):
-                        raise
-                    direct = _buffered(fd)  # the device wants another alignment: go on buffered
-                    _pwrite_all(fd, chunk, offset + start)
+                direct = write_piece(fd, chunk, offset + start, direct, aligned=True)
                 on_progress(len(chunk))
             if fsync:
                 os.fsync(fd)
@@ -275,11 +211,11 @@ class LocalStorage:
             raise storage_error("open", source, e) from e
         try:
             try:
-                target_fd = _create_new(target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC)
+                target_fd = create_new(target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC)
             except OSError as e:
                 raise storage_error("create", target, e) from e
             try:
-                _copy_range(source_fd, target_fd, os.fstat(source_fd).st_size, source)
+                copy_range(source_fd, target_fd, os.fstat(source_fd).st_size, source)
                 if fsync:
                     os.fsync(target_fd)
                     if self.tuning.drop_cache and hasattr(os, "posix_fadvise"):
@@ -300,13 +236,13 @@ class LocalStorage:
     def write_bytes(self, path: str, data: bytes, *, fsync: bool = True, create_only: bool = False) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
         try:
-            fd = os.open(path, flags | os.O_EXCL, 0o644) if create_only else _create_new(path, flags)
+            fd = os.open(path, flags | os.O_EXCL, 0o644) if create_only else create_new(path, flags)
         except FileExistsError as e:
             raise CheckpointExistsError(f"{path} already exists") from e
         except OSError as e:
             raise storage_error("create", path, e) from e
         try:
-            _write_all(fd, memoryview(data))
+            write_all(fd, memoryview(data))
             if fsync:
                 os.fsync(fd)
         except OSError as e:
@@ -316,17 +252,31 @@ class LocalStorage:
         os.close(fd)
 
     def write_stream(self, path: str, pieces: Iterable[memoryview]) -> int:
-        """Write ``pieces`` to a temporary file, fsync, and rename it to ``path`` (atomic)."""
+        """Write ``pieces`` to a temporary file, fsync, and rename it to ``path`` (atomic).
+
+        With ``direct_io``, pieces at page-aligned addresses whose lengths are multiples of 4 KiB
+        go with ``O_DIRECT`` (the first other piece, normally the tail, and the rest buffered);
+        with ``drop_cache`` the file leaves the page cache once durable."""
         tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{secrets.token_hex(4)}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        direct = self.tuning.direct_io and hasattr(os, "O_DIRECT")
         total = 0
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                fd = os.open(tmp, flags | (os.O_DIRECT if direct else 0), 0o644)
+            except OSError as e:
+                if not direct or e.errno != errno_codes.EINVAL:
+                    raise
+                direct = False  # this filesystem has no O_DIRECT
+                fd = os.open(tmp, flags, 0o644)
             try:
                 lock_new_file(fd)  # gc leaves a temporary file its writer holds (storage.liveness)
                 for piece in pieces:
-                    _write_all(fd, piece)
+                    direct = write_piece(fd, piece, total, direct)
                     total += len(piece)
                 os.fsync(fd)
+                if self.tuning.drop_cache and hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, total, os.POSIX_FADV_DONTNEED)
                 os.replace(tmp, path)  # before the close, which lets the lock go
             finally:
                 os.close(fd)

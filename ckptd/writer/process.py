@@ -29,6 +29,7 @@ from .._version import __version__
 from ..errors import StorageError, WriterError
 from ..storage import Stopped, storage_for
 from .gate import StagingGate
+from .priority import lower_priority
 from .protocol import (
     PROTOCOL_VERSION,
     AttachArena,
@@ -227,23 +228,6 @@ def _failure(request_id: int, error: BaseException) -> Failed:
     )
 
 
-_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "ppc64le": 273}
-
-
-def _set_io_priority(level: int) -> None:
-    """Best-effort I/O class at ``level`` (Linux ``ioprio_set``; a no-op where unsupported)."""
-    import ctypes
-    import platform
-
-    number = _IOPRIO_SET.get(platform.machine())
-    if number is None or not sys.platform.startswith("linux"):
-        return
-    best_effort, who_process = 2, 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(number, who_process, 0, (best_effort << 13) | max(0, min(7, level))) != 0:
-        logger.debug("ckptd writer: ioprio_set failed (errno %d)", ctypes.get_errno())
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the writer process."""
     parser = argparse.ArgumentParser(prog="ckptd-writer", description="ckptd background writer (internal)")
@@ -257,10 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # report EFBIG as an error instead of dying
-    if args.nice:
-        os.nice(args.nice)
-    if args.ionice is not None:
-        _set_io_priority(args.ionice)
+    lower_priority(args.nice, args.ionice)  # before any thread starts: they inherit it
     sock = socket.socket(fileno=args.fd)
     return _Writer(Channel(sock), args.parent_pid).run()
 

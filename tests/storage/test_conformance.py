@@ -7,6 +7,7 @@ loopback), each time on a fresh root (the ``storage_place`` fixture in ``conftes
 from __future__ import annotations
 
 import errno
+import mmap
 import re
 
 import pytest
@@ -79,6 +80,24 @@ def test_write_stream_joins_the_pieces(storage_place: StoragePlace):
     assert storage_place.storage.write_stream(path, iter(pieces)) == len(PATTERN)
     assert storage_place.storage.read_bytes(path) == PATTERN
     assert storage_place.storage.list_names(storage_place.root) == ["streamed.bin"]  # no temporary left
+
+
+def test_write_stream_of_page_aligned_pieces_then_an_unaligned_tail(storage_place: StoragePlace):
+    """Local files write aligned pieces with O_DIRECT and the rest buffered: the bytes are the
+    same whatever the path (pieces of one reused buffer, as a promotion to a local tier gives)."""
+    data = bytes(range(256)) * (3 * 4096 // 256) + b"tail"
+    buffer = memoryview(mmap.mmap(-1, 8192))  # page-aligned, like the promoter's pieces
+
+    def pieces():
+        for start in range(0, len(data), 8192):
+            chunk = buffer[: min(8192, len(data) - start)]
+            chunk[:] = data[start : start + len(chunk)]
+            yield chunk
+
+    path = storage_place.path("aligned.bin")
+    assert storage_place.storage.write_stream(path, pieces()) == len(data)
+    assert storage_place.storage.read_bytes(path) == data
+    assert storage_place.storage.list_names(storage_place.root) == ["aligned.bin"]
 
 
 def test_write_stream_whose_pieces_fail_leaves_no_file(storage_place: StoragePlace):
