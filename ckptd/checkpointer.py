@@ -51,7 +51,7 @@ from .stats import StatsSummary
 from .storage import in_process_only, is_local, local_path, normalize_location, storage_for
 from .storage.cleanup import Cleanup
 from .storage.held import held_name, is_held
-from .tiers import LoadSource, Promoter, PromotionResult, Tier, committed_steps
+from .tiers import LoadSource, Promoter, PromotionResult, Tier, committed_steps, record_tiers
 from .writer.client import InProcessWriter, WriterClient
 from .writer.keeper import HoldLease
 from .writer.owner import CtrlC, bind_to_process, check_process, exiting_on_ctrl_c, unbind
@@ -175,6 +175,7 @@ class Checkpointer:
         )
         if self._promoter is not None and (self._dist is None or self._dist.is_coordinator):
             self._saver.on_commit = self._promoter.submit  # copies to the slower tiers after each commit
+            record_tiers(self.storage, self.root, tier_list)  # for `ckptd ls ROOT`
         self.last_load: LoadSource | None = None
         """Where the last successful :meth:`load` of a step read from (its tier and path)."""
         self._jobs: queue.Queue[tuple[Checkpointer, SaveJob] | None] = queue.Queue()
@@ -838,6 +839,11 @@ def _release(
     pool.close()
     if promoter is not None:  # after the writer and the arenas: copies to slow tiers may take a while
         promoter.close(wait=wait and not abandon)
+        if wait and not abandon:
+            try:
+                saver.apply_keep_last()  # what was kept for the copies goes now
+            except Exception as e:  # noqa: BLE001 - retention is not worth failing a close for
+                logger.warning("ckptd: keep_last after the tier copies failed: %s", e)
     cleanup.drain(min(cleanup_timeout, _ABANDON_SECONDS) if abandon else cleanup_timeout if wait else 0.0)
     cleanup.close()
     if lease is not None:  # last: the held root's hold clock starts once no process uses it

@@ -17,6 +17,7 @@ tier's previous checkpoints as they were and a staging leftover that ``ckptd gc`
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import mmap
 import os
@@ -34,7 +35,7 @@ from .catalog import CheckpointInfo, list_checkpoints, read_manifest
 from .errors import CheckpointExistsError, CheckpointReplacedError, ConfigError, CorruptCheckpointError
 from .formats.checksum import format_crc
 from .formats.manifest import MANIFEST_NAME, Manifest
-from .formats.names import checkpoint_dir_name
+from .formats.names import TIERS_RECORD_NAME, checkpoint_dir_name
 from .load.pinning import OneVersion
 from .retention import RunRecord, apply_retention
 from .save.commit import open_staging, publish
@@ -42,7 +43,15 @@ from .storage import RangeReader, Storage, normalize_location, storage_for
 from .storage.held import is_held
 from .writer.priority import lower_priority
 
-__all__ = ["LoadSource", "PromotionResult", "Promoter", "Tier", "committed_steps", "promote_checkpoint"]
+__all__ = [
+    "LoadSource",
+    "PromotionResult",
+    "Promoter",
+    "Tier",
+    "committed_steps",
+    "promote_checkpoint",
+    "record_tiers",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -329,6 +338,24 @@ def _checked_pieces(
             raise CorruptCheckpointError(f"{path}: CRC32C {format_crc(checksum)}, the manifest lists {expected}")
     finally:
         reader.close()
+
+
+def record_tiers(storage: Storage, root: str, tiers: Sequence[Tier]) -> None:
+    """Write :data:`~ckptd.formats.names.TIERS_RECORD_NAME` under ``root``: each tier's root,
+    ``every`` and ``keep_last`` (not its ``storage_options``, which may hold credentials), so
+    that ``ckptd ls ROOT`` finds the tiers.  A failure is logged: the record is a convenience."""
+    record = {
+        "schema": 1,
+        "written_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "tiers": [
+            {"tier": index, "root": normalize_location(t.root), "every": t.every, "keep_last": t.keep_last}
+            for index, t in enumerate(tiers, start=1)
+        ],
+    }
+    try:
+        storage.write_bytes(storage.join(root, TIERS_RECORD_NAME), json.dumps(record, indent=1).encode() + b"\n")
+    except OSError as e:
+        logger.warning("ckptd: could not record the tiers under %s (ckptd ls will not list them): %s", root, e)
 
 
 # ---- loads across tiers --------------------------------------------------------------------------

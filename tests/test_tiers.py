@@ -55,7 +55,7 @@ def test_each_tier_keeps_its_own_cadence_and_retention_and_its_copies_load_on_th
         promoted = [(p.step, p.tier, p.error) for p in ckpt.promotions()]
         assert ckpt.latest_step() == 10
     assert promoted == [(3, 1, None), (6, 1, None), (9, 1, None)]
-    assert sorted(os.listdir(fast)) == ["checkpoint-10", "checkpoint-9"]
+    assert sorted(os.listdir(fast)) == [".ckptd-tiers.json", "checkpoint-10", "checkpoint-9"]  # + the record for ls
     assert sorted(os.listdir(slow)) == ["checkpoint-6", "checkpoint-9"]
     with ckptd.Checkpointer(slow) as tier:  # a tier is an ordinary root: no link back to the fast one
         for step in (6, 9):
@@ -173,7 +173,7 @@ def test_a_checkpoint_being_promoted_is_kept_by_the_fast_tiers_retention(s3: S3P
         assert ckpt.wait_promotions(120)
         assert [p.error for p in ckpt.promotions()] == [None, None, None]
         ckpt.save(4, _state(4))  # the next retention may delete step 1 now
-        assert sorted(os.listdir(fast)) == ["checkpoint-4"]
+        assert sorted(os.listdir(fast)) == [".ckptd-tiers.json", "checkpoint-4"]
     with ckptd.Checkpointer(s3.url("tier"), storage_options=s3.options()) as remote:
         assert remote.steps() == [1, 2, 3, 4]
         assert_same(_state(1), remote.load(1, verify=True))

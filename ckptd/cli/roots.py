@@ -122,8 +122,52 @@ def _ls(args: argparse.Namespace, context: Context) -> Result:
         }
         for item in find_leftovers(storage, root)
     ]
-    body = {"root": root, "checkpoints": checkpoints, "leftovers": leftovers}
+    body = {
+        "root": root,
+        "checkpoints": checkpoints,
+        "leftovers": leftovers,
+        "tiers": _tier_listings(storage, root, context),
+    }
     return body, _render_ls, EXIT_OK
+
+
+def _tier_listings(storage: Storage, root: str, context: Context) -> list[dict[str, Any]]:
+    """The committed checkpoints of each slower tier recorded under ``root`` (by the last
+    Checkpointer that saved there with ``tiers``); a tier that cannot be listed says why."""
+    from ..catalog import list_checkpoints
+    from ..formats.json_files import read_small_json
+    from ..formats.names import TIERS_RECORD_NAME
+
+    path = storage.join(root, TIERS_RECORD_NAME)
+    if not storage.exists(path):
+        return []
+    try:
+        record = read_small_json(storage, path, what="tiers record")
+        tiers = [dict(t) for t in record["tiers"] if isinstance(t.get("root"), str)]
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+        context.warn(f"{path} is not a readable tiers record ({e}); only {root} is listed")
+        return []
+    listed = []
+    for tier in tiers:
+        entry: dict[str, Any] = {
+            "tier": tier.get("tier"),
+            "root": tier["root"],
+            "every": tier.get("every"),
+            "keep_last": tier.get("keep_last"),
+            "checkpoints": [],
+            "error": None,
+        }
+        try:
+            tier_root = normalize_location(tier["root"])
+            tier_storage = storage_for(tier_root, context.storage_options)
+            entry["checkpoints"] = [
+                {"step": info.step, "path": info.path, "created_utc": info.created_utc, **file_totals(info.manifest)}
+                for info in list_checkpoints(tier_storage, tier_root)
+            ]
+        except Exception as e:  # noqa: BLE001 - a tier out of reach is reported, the root's listing stands
+            entry["error"] = f"{type(e).__name__}: {e}"
+        listed.append(entry)
+    return listed
 
 
 def _render_ls(body: dict[str, Any], context: Context) -> None:
@@ -159,6 +203,19 @@ def _render_ls(body: dict[str, Any], context: Context) -> None:
                     for i, (cell, w) in enumerate(zip(row, widths, strict=True))
                 ).rstrip()
             )
+    for tier in body.get("tiers", []):
+        cadence = f"every {tier['every']} steps" if tier["every"] else "every save"
+        kept = f", keeps {tier['keep_last']}" if tier["keep_last"] else ""
+        context.say(f"tier {tier['tier']}: {tier['root']} ({cadence}{kept})")
+        if tier["error"]:
+            context.warn(f"tier {tier['tier']} ({tier['root']}) could not be listed: {tier['error']}")
+            continue
+        if not tier["checkpoints"]:
+            context.say("  no committed checkpoints")
+        for c in tier["checkpoints"]:
+            created = c["created_utc"].replace("T", " ")[:19]
+            size = human_size(c["bytes_written"] + c["bytes_linked"] + c["bytes_copied"])
+            context.say(f"  {c['step']:>8}  {created}  {size:>9}  {base_name(c['path'])}")
     stale = [item for item in body["leftovers"] if not item["active"] and item["collectable"]]
     if stale:
         total = sum(item["bytes"] for item in stale)

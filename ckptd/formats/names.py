@@ -25,6 +25,7 @@ __all__ = [
     "SAFETENSORS_SINGLE",
     "STATE_NAME",
     "TORCH_BIN_INDEX",
+    "TIERS_RECORD_NAME",
     "TORCH_BIN_SINGLE",
     "StagingName",
     "checkpoint_dir_name",
@@ -50,6 +51,9 @@ METRICS_NAME = "eval_metrics.json"
 """Metrics saved beside a checkpoint (Forgather's ``save_checkpoint_metrics``)."""
 LEGACY_METRICS_NAME = "metrics.json"
 """Where ckptd before 0.2 wrote those metrics (still read)."""
+TIERS_RECORD_NAME = ".ckptd-tiers.json"
+"""Beside the checkpoints of a root: the slower tiers of the last Checkpointer that saved there
+with ``tiers`` (roots, cadence, retention; never credentials), which ``ckptd ls`` lists too."""
 CLAIM_NAME = ".ckptd-claim"
 """Object stores: the create-only object that claims a checkpoint prefix before any shard."""
 

@@ -186,6 +186,15 @@ class Saver:
         # thread, or a CheckpointManager's); each commit leaves its own manifest in it.
         self.listed = ManifestCache()
 
+    def apply_keep_last(self) -> None:
+        """``keep_last`` once more, on the coordinator: the checkpoints it kept while they were
+        being copied to slower tiers go once the copies are done (at close)."""
+        if self.options.keep_last is None or (self.dist is not None and not self.dist.is_coordinator):
+            return
+        removed = apply_retention(self.storage, self.root, self.options.keep_last, self.run, self.listed)
+        if removed:
+            logger.info("ckptd: keep_last=%d removed %s", self.options.keep_last, ", ".join(removed))
+
     def close(self) -> None:
         """Stop the staging thread (after the copies in flight) and remove the step guard."""
         self._stager.shutdown(wait=True)

@@ -40,6 +40,41 @@ LS = {
     "leftovers": [
         {"name": str, "path": str, "kind": str, "bytes": int, "files": int, "active": bool, "collectable": bool}
     ],
+    "tiers": [
+        {
+            "tier": int,
+            "root": str,
+            "every": int,
+            "keep_last": INT_OR_NONE,
+            "error": STR_OR_NONE,
+            "checkpoints": [
+                {
+                    "step": int,
+                    "path": str,
+                    "created_utc": str,
+                    "bytes_written": int,
+                    "bytes_linked": int,
+                    "bytes_copied": int,
+                    "bytes_referenced": int,
+                    "files": int,
+                    "references": [str],
+                }
+            ],
+        }
+    ],
+}
+MEMORY_LS = {
+    **ENVELOPE,
+    "roots": [
+        {
+            "url": str,
+            "path": str,
+            "nbytes": int,
+            "in_use": bool,
+            "keeper_pid": INT_OR_NONE,
+            "hold_after_exit": (float, type(None)),
+        }
+    ],
 }
 TENSOR = {"component": str, "key": str, "dtype": str, "shape": [int], "bytes": int, "chunks": int}
 INFO = {
