@@ -242,7 +242,9 @@ def main() -> None:
                 for number, (name, tiers) in enumerate(configurations.items()):
                     label = f"{index}-{number}"
                     memory = name.startswith("memory")
-                    root = f"shm://bench-recovery-{os.getpid()}-{label}" if memory else os.path.join(work, f"fast-{label}")
+                    root = (
+                        f"shm://bench-recovery-{os.getpid()}-{label}" if memory else os.path.join(work, f"fast-{label}")
+                    )
                     figures["save"].setdefault(name, []).append(save_round(state, root, tiers(label), steps))
                     if memory:
                         figures.setdefault("held_bytes", {})[name] = ckptd.drop_held(root).nbytes
@@ -255,7 +257,9 @@ def main() -> None:
         held, behind = f"shm://bench-recovery-{os.getpid()}-restore", os.path.join(work, "restore-behind")
         trainer_killed_after_a_save(held, behind, args.size_mib)
         try:
-            figures.setdefault("held_bytes", {})["restore"] = next(r.nbytes for r in ckptd.held_roots() if r.url == held)
+            figures.setdefault("held_bytes", {})["restore"] = next(
+                r.nbytes for r in ckptd.held_roots() if r.url == held
+            )
             for _ in range(args.rounds):
                 row = restore(held, [{"root": behind}], shapes)
                 if row["tier"] != 0:
