@@ -6,12 +6,13 @@ Nothing here imports Megatron at module level: :func:`use_megatron_source` runs 
 process that does.  Two workarounds, both only in those processes:
 
 - ``NO_VCS_VERSION=1`` (read by Megatron's own ``package_info.py``): no ``git`` call at import;
-- without ``triton`` (CPU-only torch has none), 0.19's ``import megatron.core`` fails: its
-  ``__init__`` imports the pipeline schedules, which import a Triton kernel module for MoE
-  activation stashing (``megatron.core.transformer.moe.ops.paged_stash``, GPU only, unrelated to
-  checkpointing) unconditionally.  Megatron offers no switch for it, so that one module is
-  replaced by placeholders that raise if called.  ``triton`` itself is not stubbed (torch would
-  take a stub for the real thing).
+- without ``triton`` (CPU-only torch has none), ``import megatron.core`` fails on 0.18 and 0.19:
+  its ``__init__`` imports the pipeline schedules, which import the MoE activation "paged stash"
+  (``megatron.core.transformer.moe.paged_stash``, GPU only, unrelated to checkpointing), which
+  imports Triton (0.18 directly, 0.19 through its ``ops`` kernels) without a guard.  Megatron
+  offers no switch for it, so that one module is replaced by one whose every name is a function
+  that raises if called (the modules importing it only import functions).  ``triton`` itself is
+  not stubbed (torch would take a stub for the real thing).
 """
 
 from __future__ import annotations
@@ -19,17 +20,18 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
 import os
 import sys
 import types
 from typing import Any
 
 ENV = "CKPTD_MEGATRON_SRC"
-_TRITON_ONLY = "megatron.core.transformer.moe.ops.paged_stash"
+_TRITON_ONLY = "megatron.core.transformer.moe.paged_stash"
 
 
 class _NoTritonKernels(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Provides :data:`_TRITON_ONLY` as placeholders (the module needs triton at import)."""
+    """Provides :data:`_TRITON_ONLY` as placeholders (the real module needs triton at import)."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         return importlib.util.spec_from_loader(fullname, self) if fullname == _TRITON_ONLY else None
@@ -38,12 +40,13 @@ class _NoTritonKernels(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def exec_module(self, module: types.ModuleType) -> None:
-        def unavailable(*args: Any, **kwargs: Any) -> None:
-            raise RuntimeError(f"{_TRITON_ONLY} needs triton (not installed; replaced by ckptd's tests)")
+        def placeholder(name: str) -> Any:
+            def unavailable(*args: Any, **kwargs: Any) -> None:
+                raise RuntimeError(f"{_TRITON_ONLY}.{name} needs triton (not installed; replaced by ckptd's tests)")
 
-        module.GLOBAL_BLOCK_SIZE = 1024  # type: ignore[attr-defined]
-        module.paged_stash_copy_kernel = unavailable  # type: ignore[attr-defined]
-        module.paged_stash_pop_kernel = unavailable  # type: ignore[attr-defined]
+            return unavailable
+
+        module.__getattr__ = placeholder  # type: ignore[attr-defined]
 
 
 def use_megatron_source(src: str) -> str:
@@ -66,8 +69,9 @@ def use_megatron_source(src: str) -> str:
 def generate_on_rank(rank: int, world: int, root: str, src: str) -> dict[str, Any]:
     """Each of 2 gloo ranks: real ``dist_checkpointing.save`` of the fixture's state with
     Megatron's default strategy into ``root/torch_dist`` and with ckptd's SaveStrategy into
-    ``root/ckptd`` (both ``verify_integrity=True``), an async save through ckptd's strategy into
-    ``root/ckptd_async``; then Megatron's ``load`` of each at world size 2."""
+    ``root/ckptd`` (both ``verify_integrity=True`` where Megatron has it: 0.18+), an async save
+    through ckptd's strategy into ``root/ckptd_async``; then Megatron's ``load`` of each at
+    world size 2."""
     version = use_megatron_source(src)
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -78,7 +82,9 @@ def generate_on_rank(rank: int, world: int, root: str, src: str) -> dict[str, An
     from ckptd.compat.megatron import LoadStrategy, SaveStrategy
 
     stub_cuda_for_megatron_save()
+    integrity = _integrity_kwargs(dist_checkpointing.save)
     out: dict[str, Any] = {
+        "integrity": bool(integrity),
         "version": version,
         "has_base": importlib.util.find_spec("megatron.core.dist_checkpointing.strategies.base") is not None,
         "registry": megatron_strategy.HAS_STRATEGY_REGISTRY,
@@ -87,16 +93,15 @@ def generate_on_rank(rank: int, world: int, root: str, src: str) -> dict[str, An
     dirs = {name: os.path.join(root, name) for name in ("torch_dist", "ckptd", "ckptd_async")}
     for directory in dirs.values():
         os.makedirs(directory, exist_ok=True)
-    dist_checkpointing.save(mcore_state(rank, world), dirs["torch_dist"], verify_integrity=True)
-    dist_checkpointing.save(
-        mcore_state(rank, world), dirs["ckptd"], sharded_strategy=SaveStrategy(), verify_integrity=True
-    )
+    dist_checkpointing.save(mcore_state(rank, world), dirs["torch_dist"], **integrity)
+    dist_checkpointing.save(mcore_state(rank, world), dirs["ckptd"], sharded_strategy=SaveStrategy(), **integrity)
+    in_process = {"async_strategy": "mcore"} if _accepts(dist_checkpointing.save, "async_strategy") else {}
     request = dist_checkpointing.save(
         mcore_state(rank, world),
         dirs["ckptd_async"],
         sharded_strategy=SaveStrategy(),
         async_sharded_save=True,
-        async_strategy="mcore",
+        **in_process,
     )
     config = os.path.join(dirs["ckptd_async"], "metadata.json")
     out["async:before"] = os.path.exists(config)
@@ -110,7 +115,7 @@ def generate_on_rank(rank: int, world: int, root: str, src: str) -> dict[str, An
 
     def load(directory: str, strategy: Any = None) -> Any:
         state = mcore_state(rank, world, empty=True)
-        return dist_checkpointing.load(state, directory, sharded_strategy=strategy, verify_integrity=True)
+        return dist_checkpointing.load(state, directory, sharded_strategy=strategy, **integrity)
 
     out["megatron<-torch_dist"] = load(dirs["torch_dist"])
     out["ckptd<-torch_dist"] = load(dirs["torch_dist"], LoadStrategy())
@@ -132,15 +137,19 @@ def load_on_one_rank(rank: int, world: int, root: str, src: str) -> dict[str, An
 
     from ckptd.compat.megatron import LoadStrategy
 
+    integrity = _integrity_kwargs(dist_checkpointing.load)
     out: dict[str, Any] = {}
     for name in ("ckptd", "torch_dist"):
         directory = os.path.join(root, name)
         out[f"load:{name}"] = dist_checkpointing.load(
-            whole_layout(mapping, megatron=True), directory, sharded_strategy=LoadStrategy(), verify_integrity=True
+            whole_layout(mapping, megatron=True), directory, sharded_strategy=LoadStrategy(), **integrity
         )
         out[f"common:{name}"] = dist_checkpointing.load_common_state_dict(directory)
         shapes = dist_checkpointing.load_tensors_metadata(directory, LoadStrategy())
         out[f"shapes:{name}"] = {k: tuple(v.global_shape) for k, v in shapes.items()}
+    out["megatron:corrupt"] = None
+    if not integrity:
+        return out
     try:  # Megatron's own check of integrity.json sees what ckptd's sees
         dist_checkpointing.load(
             whole_layout(mapping, megatron=True),
@@ -148,7 +157,15 @@ def load_on_one_rank(rank: int, world: int, root: str, src: str) -> dict[str, An
             sharded_strategy=LoadStrategy(),
             verify_integrity=True,
         )
-        out["megatron:corrupt"] = None
     except CheckpointingException as e:
         out["megatron:corrupt"] = str(e)
     return out
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    return name in inspect.signature(fn).parameters
+
+
+def _integrity_kwargs(fn: Any) -> dict[str, Any]:
+    """``verify_integrity=True`` where Megatron's ``save``/``load`` take it (0.18+)."""
+    return {"verify_integrity": True} if _accepts(fn, "verify_integrity") else {}
