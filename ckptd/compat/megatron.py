@@ -56,6 +56,7 @@ from .megatron_read import (
     load_sharded_parts,
     megatron_backend,
     tensor_infos,
+    verify_integrity,
 )
 
 __all__ = [
@@ -81,6 +82,7 @@ __all__ = [
     "save",
     "validate_sharding",
     "validate_sharding_integrity",
+    "verify_integrity",
 ]
 
 logger = logging.getLogger(__name__)
@@ -154,6 +156,8 @@ def save(
     async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check: Callable[[Any], Any] | None = None,
     content_metadata: dict[str, Any] | None = None,
+    async_strategy: str | None = None,
+    verify_integrity: bool = False,
 ) -> AsyncRequest | None:
     """Save a Megatron sharded state dict into the existing, empty ``checkpoint_dir``.
 
@@ -163,7 +167,9 @@ def save(
     rest once, as the common state.  Returns None after the commit, or with
     ``async_sharded_save=True`` an :class:`AsyncRequest` to hand to an :class:`AsyncCallsQueue`.
     ``preprocess_common_before_consistancy_check`` is accepted for compatibility: rank 0's
-    common state is the one written.
+    common state is the one written.  Megatron 0.17+'s ``async_strategy`` is accepted and unused
+    (ckptd's writer process is the background worker); its ``verify_integrity`` too: ckptd's
+    manifest always records a CRC-32C per shard, which every read checks.
     """
     _check_strategy(sharded_strategy, common_strategy)
     directory = _local_dir(checkpoint_dir)
@@ -278,15 +284,21 @@ class AsyncCallsQueue:
 # ---- loading ------------------------------------------------------------------------------------
 
 
-def load_common_state_dict(checkpoint_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The non-sharded part of the checkpoint (Megatron's ``common.pt``, read with
-    ``weights_only=True``)."""
-    return MegatronCheckpoint(checkpoint_dir).common()
+def load_common_state_dict(
+    checkpoint_dir: str | os.PathLike[str], verify_integrity: bool | None = None
+) -> dict[str, Any]:
+    """The non-sharded part of the checkpoint (Megatron's ``common.pt``, or Megatron 0.19's
+    ``common_state`` object inside the ``torch_dist`` files, read with ``weights_only=True``).
+    ``verify_integrity``: see :func:`load`."""
+    return MegatronCheckpoint(checkpoint_dir, verify=verify_integrity).common()
 
 
-def load_plain_tensors(checkpoint_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every sharded tensor, whole, by its ``ShardedTensor.key``."""
-    opened = MegatronCheckpoint(checkpoint_dir)
+def load_plain_tensors(
+    checkpoint_dir: str | os.PathLike[str], verify_integrity: bool | None = None
+) -> dict[str, torch.Tensor]:
+    """Every sharded tensor, whole, by its ``ShardedTensor.key`` (``verify_integrity``: see
+    :func:`load`)."""
+    opened = MegatronCheckpoint(checkpoint_dir, verify=verify_integrity)
     return opened.reader.read(opened.tensors) if opened.tensor_keys() else {}
 
 
@@ -314,6 +326,8 @@ def load(
     common_strategy: Any = None,
     validate_access_integrity: bool = True,
     strict: Any = None,
+    verify_integrity: bool | None = None,
+    process_group: Any = None,
 ) -> dict[str, Any]:
     """Load into the layout ``sharded_state_dict`` describes (any world size): each
     :class:`ShardedTensor` receives exactly its piece in place and is replaced by its tensor,
@@ -322,9 +336,16 @@ def load(
     (``torch_dist``, through torch's DCP reader; or written with :class:`SaveStrategy`).  A key
     the checkpoint lacks raises :class:`~ckptd.errors.KeyMismatchError` (``strict`` is accepted
     for compatibility).
+
+    ``verify_integrity``: a Megatron-written directory with an ``integrity.json`` (Megatron-Core
+    0.18+) is checked against it by default (None) before anything is read, a differing file
+    raising :class:`~ckptd.errors.CorruptCheckpointError`; True also requires the file, False
+    skips the check (ckptd's own checkpoints are always checked by their CRCs).
+    ``process_group`` (Megatron 0.19) is accepted: each process reads its own pieces, with no
+    collective.
     """
     _check_strategy(sharded_strategy, common_strategy)
-    opened = MegatronCheckpoint(checkpoint_dir)
+    opened = MegatronCheckpoint(checkpoint_dir, verify=verify_integrity)
     loaded = load_sharded_parts(opened, sharded_state_dict)
     return merge(opened.common(), loaded)
 

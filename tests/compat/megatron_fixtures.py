@@ -81,6 +81,38 @@ def mcore_state(rank: int, world: int = WORLD, *, empty: bool = False) -> dict[s
     }
 
 
+def expected_for_rank(rank: int) -> dict[str, Any]:
+    """What a rank of the 2-rank layout must get back from a load: its own pieces."""
+    state = mcore_state(rank, WORLD)
+    return {
+        **COMMON,
+        "model": {name: sh.data for name, sh in state["model"].items()},
+        "extra": expected_objects()[f"optimizer.extra/shard_{rank}_{WORLD}"],
+    }
+
+
+def whole_layout(factory: Any, megatron: bool = False) -> dict[str, Any]:
+    """World size 1: every tensor whole, layer 1 of the stacked tensor alone (prepend_axis_num)
+    and rank 1's object piece (objects keep their saved sharding).  For Megatron's own load,
+    which checks that one process reads every object piece and refuses two local shapes of one
+    key on a rank: both object pieces, no layer slice."""
+    tensors = expected_tensors()
+    state = {
+        "model": {
+            key: factory.ShardedTensor.from_rank_offsets(key, torch.zeros_like(value), replica_id=0)
+            for key, value in tensors.items()
+        },
+        "layer1": factory.ShardedTensor.from_rank_offsets(
+            "layers.mlp.weight", torch.zeros_like(LAYERS[1]), (0, 1, WORLD), prepend_axis_num=1
+        ),
+        "extra": factory.ShardedObject("optimizer.extra", None, (WORLD,), (1,)),
+    }
+    if megatron:
+        del state["layer1"]
+        state["extra0"] = factory.ShardedObject("optimizer.extra", None, (WORLD,), (0,))
+    return state
+
+
 def _strategies(strategy: str | None) -> tuple[Any, Any]:
     if strategy != "ckptd":
         return None, None

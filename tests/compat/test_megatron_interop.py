@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -32,10 +33,11 @@ from megatron_fixtures import (
     COMMON,
     LAYERS,
     WORLD,
+    expected_for_rank,
     expected_objects,
     expected_tensors,
     generate,
-    mcore_state,
+    whole_layout,
 )
 
 import ckptd
@@ -68,38 +70,6 @@ def one_rank_group() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def expected_for_rank(rank: int) -> dict[str, Any]:
-    """What a rank of the 2-rank layout must get back from a load: its own pieces."""
-    state = mcore_state(rank, WORLD)
-    return {
-        **COMMON,
-        "model": {name: sh.data for name, sh in state["model"].items()},
-        "extra": expected_objects()[f"optimizer.extra/shard_{rank}_{WORLD}"],
-    }
-
-
-def whole_layout(factory: Any, megatron: bool = False) -> dict[str, Any]:
-    """World size 1: every tensor whole, layer 1 of the stacked tensor alone (prepend_axis_num)
-    and rank 1's object piece (objects keep their saved sharding).  For Megatron's own load,
-    which checks that one process reads every object piece and refuses two local shapes of one
-    key on a rank: both object pieces, no layer slice."""
-    tensors = expected_tensors()
-    state = {
-        "model": {
-            key: factory.ShardedTensor.from_rank_offsets(key, torch.zeros_like(value), replica_id=0)
-            for key, value in tensors.items()
-        },
-        "layer1": factory.ShardedTensor.from_rank_offsets(
-            "layers.mlp.weight", torch.zeros_like(LAYERS[1]), (0, 1, WORLD), prepend_axis_num=1
-        ),
-        "extra": factory.ShardedObject("optimizer.extra", None, (WORLD,), (1,)),
-    }
-    if megatron:
-        del state["layer1"]
-        state["extra0"] = factory.ShardedObject("optimizer.extra", None, (WORLD,), (0,))
-    return state
 
 
 def assert_whole_layout_loaded(result: dict[str, Any]) -> None:
@@ -189,6 +159,58 @@ def test_convert_a_torch_dist_checkpoint_to_safetensors(generated, tmp_path):
     assert out.returncode == 0, out.stderr
     (shard,) = [n for n in os.listdir(tmp_path / "hf") if n.endswith(".safetensors")]
     assert_same(expected_tensors(), load_file(str(tmp_path / "hf" / shard)))
+
+
+def _write_integrity_json(directory: str) -> None:
+    """Megatron 0.18+'s integrity.json (sha256 of every top-level file), written here by hand."""
+    import hashlib
+
+    files = {
+        n: hashlib.sha256(Path(directory, n).read_bytes()).hexdigest()
+        for n in sorted(os.listdir(directory))
+        if Path(directory, n).is_file()
+    }
+    Path(directory, "integrity.json").write_text(json.dumps({"algorithm": "sha256", "files": files}))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_integrity_json_and_common_state_inside_dcp(generated, tmp_path):
+    """What Megatron 0.18/0.19 add to torch_dist, made by hand from a 0.16 checkpoint (the
+    CKPTD_MEGATRON_SRC tests run the real 0.19): integrity.json, and the common state as the
+    'common_state' DCP entry instead of common.pt."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    class RawBytesPlanner(dcp.DefaultSavePlanner):
+        """Bytes entries stored as they are (what Megatron's MCoreSavePlanner does)."""
+
+        def transform_object(self, write_item, object):
+            return object
+
+    directory = str(tmp_path / "td")
+    shutil.copytree(os.path.join(generated[0], "torch_dist"), directory)
+    _write_integrity_json(directory)
+    assert mcore.verify_integrity(directory, required=True)
+    assert_whole_layout_loaded(mcore.load(whole_layout(mcore), directory, verify_integrity=True))
+    name = sorted(n for n in os.listdir(directory) if n.endswith(".distcp"))[0]
+    data = bytearray(Path(directory, name).read_bytes())
+    data[len(data) // 2] ^= 1
+    Path(directory, name).write_bytes(bytes(data))
+    with pytest.raises(ckptd.errors.CorruptCheckpointError, match=name):
+        mcore.load(whole_layout(mcore), directory)
+
+    # a DCP checkpoint holding the common state as Megatron 0.19 does (torch.save([common]) bytes)
+    bare = str(tmp_path / "common_inside")
+    blob = io.BytesIO()
+    torch.save([COMMON], blob)
+    blob.seek(0)
+    state = {"w": torch.ones(2), "common_state/shard_0_1": blob}
+    dcp.save(state, checkpoint_id=bare, planner=RawBytesPlanner(), no_dist=True)
+    Path(bare, "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    assert_same(COMMON, mcore.load_common_state_dict(bare))
+    assert mcore.load_sharded_metadata(bare).keys() == {"w"}
 
 
 # ---- bridge B: ckptd as Megatron's strategy, loaded in one process -------------------------------
