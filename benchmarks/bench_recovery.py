@@ -19,6 +19,10 @@ Two parts, on one state of ``--size-mib`` MiB (float32 tensors of a transformer-
    into fresh tensors); the local tier with the files in the page cache; the same after
    ``posix_fadvise(DONTNEED)`` (cold); the slower local tier (the fast tier's copy removed); the
    S3 tier.  Peer replicas are not built yet: their row says so.
+3. **Memory into live tensors** (in this process, interleaved): a load from a held-memory root into
+   tensors already in use (a restart that rebuilt the model first, or a rollback), with and without
+   ``verify``, against ``copy_`` of the same bytes from tensors in memory into those targets (the
+   floor of any restore from memory).
 
 Then a goodput table from the measured figures (``goodput``, formula in its docstring).
 
@@ -199,6 +203,31 @@ def restore(root: str, tiers: list[dict[str, Any]], shapes: dict[str, list[int]]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def memory_into_live(state: dict[str, torch.Tensor], rounds: int) -> dict[str, list[float]]:
+    """Seconds to load a held-memory checkpoint into live tensors, with ``verify`` and without,
+    and the ``copy_`` floor, interleaved per round."""
+    held = f"shm://bench-recovery-{os.getpid()}-live"
+    targets = {k: torch.zeros_like(v) for k, v in state.items()}  # live: their pages exist already
+    times: dict[str, list[float]] = {"verify": [], "no verify": [], "copy_ floor": []}
+    try:
+        with ckptd.Checkpointer(held, hold_after_exit=0) as ckpt:
+            ckpt.save(1, {"model": state})
+            ckpt.load(1, into={"model": targets}, verify=True)  # the first pass faults nothing in later
+            for _ in range(rounds):
+                for kind in times:
+                    started = time.perf_counter()
+                    if kind == "copy_ floor":
+                        for key, target in targets.items():
+                            target.copy_(state[key])
+                    else:
+                        ckpt.load(1, into={"model": targets}, verify=kind == "verify")
+                    times[kind].append(time.perf_counter() - started)
+    finally:
+        with contextlib.suppress(ckptd.errors.CkptdError):
+            ckptd.drop_held(held, force=True)
+    return times
+
+
 def goodput(interval_s: float, save_cost_s: float, restore_s: float, failures_per_hour: float) -> float:
     """Fraction of time spent on useful training, for saves every ``interval_s`` seconds that
     cost training ``save_cost_s`` each (blocking plus slowdown), with ``failures_per_hour``
@@ -292,6 +321,7 @@ def main() -> None:
             shutil.rmtree(os.path.join(slow, "checkpoint-7"))
             for _ in range(args.rounds):
                 rows.setdefault("S3 tier 2 (tiers 0 and 1 lost)", []).append(restore(fast, tier_args, shapes))
+        figures["live"] = memory_into_live(state, max(args.rounds, 5))
     finally:
         stack.close()
         shutil.rmtree(work, ignore_errors=True)
@@ -316,6 +346,12 @@ def main() -> None:
         restored[name] = total
         print(f"  {name:<32} {total:6.2f}s {load:10.2f}s   {outcomes[0]['tier']}   {ratio:.2f}x")
     print("  peer replica: not built yet (issue 28 item 4)")
+    live = figures["live"]
+    floor = live["copy_ floor"]
+    print("memory into live tensors (in-process)  median   / copy_ floor (median of per-round ratios)")
+    for kind, seconds in live.items():
+        ratio = statistics.median(s / f for s, f in zip(seconds, floor, strict=True))
+        print(f"  {kind:<36} {statistics.median(seconds):6.3f}s   {ratio:.2f}x")
     figures["summary"] = summary
     one = summary["one tier (local)"]
     cost = one["blocking"]  # what training waits for; the slowdown while writing is reported above

@@ -97,6 +97,10 @@ class Trainer:
         wait_for(lambda: not _alive(self.pids["writer"]), timeout=30)
 
 
+def _committed(root: str) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith("checkpoint-"))
+
+
 def _held_bytes(name: str) -> int:
     return next((root.nbytes for root in ckptd.held_roots() if root.url == f"shm://{name}"), 0)
 
@@ -107,7 +111,7 @@ def test_a_restarted_trainer_restores_from_memory_after_a_killpg_and_the_memory_
     keeper = trainer.pids["keeper"]
     trainer.kill_group()
     assert _alive(keeper), "the keeper runs in a session of its own: killpg must not reach it"
-    assert sorted(os.listdir(held_path(name))) == ["checkpoint-2", "checkpoint-3"]  # keep_last=2 by default
+    assert _committed(held_path(name)) == ["checkpoint-2", "checkpoint-3"]  # keep_last=2 by default
     with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=0.5, tiers=[ckptd.Tier(local, every=2)]) as restarted:
         assert restarted.latest_step() == 3
         assert_same(_state(3), restarted.load())
@@ -294,3 +298,33 @@ def test_hold_after_exit_reads_durations_and_the_environment(monkeypatch):
     for bad in (-1, "soon", "5 days", True, float("nan")):
         with pytest.raises(ConfigError, match="hold_after_exit"):
             ckptd.CheckpointerOptions(hold_after_exit=bad)
+
+
+def _save_two_ranks_to_memory(rank: int, world: int, held: str, local: str) -> None:
+    with ckptd.Checkpointer(held, dist_timeout=60, hold_after_exit=60, tiers=[ckptd.Tier(local, every=2)]) as ckpt:
+        for step in (1, 2, 3):
+            mine = {"v": torch.full((5,), float(100 * rank + step))}
+            ckpt.save(step, {"model": _state(step)["model"], "mine": mine}, sharing={"mine": "per_rank"})
+        ckpt.wait_promotions(120)
+
+
+def _restore_two_ranks(rank: int, world: int, held: str, local: str) -> dict[str, Any]:
+    with ckptd.Checkpointer(held, dist_timeout=60, hold_after_exit=0, tiers=[ckptd.Tier(local, every=2)]) as ckpt:
+        loaded = ckpt.load()
+        assert ckpt.last_load is not None
+        return {"step": ckpt.last_load.step, "tier": ckpt.last_load.tier, "mine": loaded["mine"]["v"]}
+
+
+@pytest.mark.distributed
+@pytest.mark.multiprocess
+def test_two_ranks_save_to_one_held_root_and_a_restarted_job_restores_from_it(tmp_path):
+    from distributed import run_ranks
+
+    name, local = _name(), str(tmp_path / "local")
+    run_ranks(2, _save_two_ranks_to_memory, f"shm://{name}", local)
+    assert _committed(held_path(name)) == ["checkpoint-2", "checkpoint-3"]  # one root, both ranks' files
+    outcomes = run_ranks(2, _restore_two_ranks, f"shm://{name}", local)
+    for rank in (0, 1):
+        assert (outcomes[rank]["step"], outcomes[rank]["tier"]) == (3, 0)
+        assert_same(torch.full((5,), float(100 * rank + 3)), outcomes[rank]["mine"])
+    wait_for(lambda: not os.path.exists(held_path(name)), timeout=30)  # hold_after_exit=0 once both are gone
