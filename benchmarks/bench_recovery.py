@@ -19,7 +19,10 @@ Two parts, on one state of ``--size-mib`` MiB (float32 tensors of a transformer-
    into fresh tensors); the local tier with the files in the page cache; the same after
    ``posix_fadvise(DONTNEED)`` (cold); the slower local tier (the fast tier's copy removed); the
    S3 tier.  Peer replicas are not built yet: their row says so.
-3. **Memory into live tensors** (in this process, interleaved): a load from a held-memory root into
+3. **A tier copy alone** (no training loop; interleaved): ``promote_checkpoint`` of a committed
+   checkpoint from local disk (its files dropped from the page cache first, as a save leaves
+   them), then from held memory, to a local tier directory.
+4. **Memory into live tensors** (in this process, interleaved): a load from a held-memory root into
    tensors already in use (a restart that rebuilt the model first, or a rollback), with and without
    ``verify``, against ``copy_`` of the same bytes from tensors in memory into those targets (the
    floor of any restore from memory).
@@ -203,6 +206,37 @@ def restore(root: str, tiers: list[dict[str, Any]], shapes: dict[str, list[int]]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def copy_alone(state: dict[str, torch.Tensor], work: str, rounds: int) -> dict[str, list[float]]:
+    """Seconds of one tier copy (``promote_checkpoint``) from a local root and from a held root
+    to a local directory, interleaved per round, with nothing else running."""
+    from ckptd.storage import storage_for
+    from ckptd.tiers import promote_checkpoint
+
+    sources = {"local disk -> local tier": os.path.join(work, "copy-source"),
+               "memory -> local tier": f"shm://bench-recovery-{os.getpid()}-copy"}  # fmt: skip
+    paths = {}
+    for name, root in sources.items():
+        with ckptd.Checkpointer(root, hold_after_exit=600) as ckpt:
+            ckpt.save(1, {"model": state})
+            paths[name] = ckpt.path_for(1)
+    times: dict[str, list[float]] = {name: [] for name in sources}
+    try:
+        for index in range(rounds):
+            for name, path in paths.items():
+                if not name.startswith("memory"):  # as a save leaves them: written with O_DIRECT, not cached
+                    drop_from_page_cache([os.path.join(d, f) for d, _, files in os.walk(path) for f in files])
+                storage = storage_for(path)
+                target = os.path.join(work, f"copy-{index}-{len(times[name])}-{name[:5]}", "checkpoint-1")
+                os.makedirs(os.path.dirname(target))
+                started = time.perf_counter()
+                promote_checkpoint(storage, path, storage, target)
+                times[name].append(time.perf_counter() - started)
+                shutil.rmtree(os.path.dirname(target))
+    finally:
+        ckptd.drop_held(sources["memory -> local tier"], force=True)
+    return times
+
+
 def memory_into_live(state: dict[str, torch.Tensor], rounds: int) -> dict[str, list[float]]:
     """Seconds to load a held-memory checkpoint into live tensors, with ``verify`` and without,
     and the ``copy_`` floor, interleaved per round."""
@@ -321,6 +355,7 @@ def main() -> None:
             shutil.rmtree(os.path.join(slow, "checkpoint-7"))
             for _ in range(args.rounds):
                 rows.setdefault("S3 tier 2 (tiers 0 and 1 lost)", []).append(restore(fast, tier_args, shapes))
+        figures["copy"] = copy_alone(state, work, args.rounds)
         figures["live"] = memory_into_live(state, max(args.rounds, 5))
     finally:
         stack.close()
@@ -346,6 +381,9 @@ def main() -> None:
         restored[name] = total
         print(f"  {name:<32} {total:6.2f}s {load:10.2f}s   {outcomes[0]['tier']}   {ratio:.2f}x")
     print("  peer replica: not built yet (issue 28 item 4)")
+    print("a tier copy alone (no training)        median   per round")
+    for name, seconds in figures["copy"].items():
+        print(f"  {name:<36} {statistics.median(seconds):6.3f}s   {', '.join(f'{x:.2f}' for x in seconds)}")
     live = figures["live"]
     floor = live["copy_ floor"]
     print("memory into live tensors (in-process)  median   / copy_ floor (median of per-round ratios)")

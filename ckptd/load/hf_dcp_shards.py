@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from ..errors import CorruptCheckpointError
 from ..formats.manifest import ChunkRecord, FileRecord, TensorRecord, check_tensor_record
 from ..formats.safetensors import SafetensorsHeader
+from ..storage import RangeReader
 
-__all__ = ["SHARDING_INFO_KEY", "is_hf_dcp_sharded", "shard_files", "shard_records"]
+__all__ = ["SHARDING_INFO_KEY", "file_sizes", "is_hf_dcp_sharded", "shard_files", "shard_records"]
 
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 _OFFSETS_KEY = "saved_offsets"
@@ -35,6 +36,18 @@ _SHARD_FILE = re.compile(r"^shard-\d+-model-\d+-of-\d+\.safetensors$")
 def shard_files(names: Iterable[str]) -> list[str]:
     """The names of a directory listing that are ``HuggingFaceStorageWriter`` rank shards."""
     return sorted(n for n in names if _SHARD_FILE.match(n))
+
+
+def file_sizes(open_file: Callable[[str], RangeReader], names: Iterable[str]) -> dict[str, int]:
+    """The size of each file, from a reader ``open_file(name)`` opened and closed for it."""
+    sizes: dict[str, int] = {}
+    for name in names:
+        opened = open_file(name)
+        try:
+            sizes[name] = opened.size
+        finally:
+            opened.close()
+    return sizes
 
 
 def is_hf_dcp_sharded(names: Iterable[str]) -> bool:

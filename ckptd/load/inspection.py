@@ -45,7 +45,7 @@ from ..formats.manifest import (
 from ..formats.names import MANIFEST_NAME, SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_BIN_INDEX, TORCH_BIN_SINGLE
 from ..formats.safetensors import SafetensorsHeader, read_header
 from ..storage import RangeReader, Storage, check_file_name, normalize_location, storage_for
-from .hf_dcp_shards import is_hf_dcp_sharded, shard_files, shard_records
+from .hf_dcp_shards import file_sizes, is_hf_dcp_sharded, shard_files, shard_records
 from .pinning import OneVersion, holder
 from .torch_checkpointing import is_torch_checkpointing
 from .verify import file_crcs
@@ -181,13 +181,7 @@ class CheckpointView:
     def _add_hf_dcp_shards(self, files: list[str]) -> None:
         """The per-rank shards of DCP's ``HuggingFaceStorageWriter`` (:mod:`.hf_dcp_shards`)."""
         self.kind = "hf_dcp_sharded"
-        sizes: dict[str, int] = {}
-        for name in files:
-            opened = self.open(name)
-            try:
-                sizes[name] = opened.size
-            finally:
-                opened.close()
+        sizes = file_sizes(self.open, files)
         records = shard_records({name: self._header(name) for name in files}, sizes, self.directory)
         weight_map = {key: record.file for key, record in records.items()}
         self._components["model"] = _Component("safetensors", weight_map, records, {})

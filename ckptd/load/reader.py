@@ -77,7 +77,7 @@ from .fetch import (
     preview,
     read_requests,
 )
-from .hf_dcp_shards import is_hf_dcp_sharded, shard_files, shard_records
+from .hf_dcp_shards import file_sizes, is_hf_dcp_sharded, shard_files, shard_records
 from .pinning import OneVersion, holder
 from .to_device import DeviceRequest
 from .torch_checkpointing import METADATA_FILE, is_torch_checkpointing, item_files
@@ -324,13 +324,7 @@ class CheckpointReader:
         record per tensor, a chunk per rank's piece (:mod:`.hf_dcp_shards`)."""
         reader = cls(directory, storage, "hf_dcp_sharded", {}, None, cache, version=version)
         files = shard_files(names)
-        sizes: dict[str, int] = {}
-        for name in files:
-            opened = reader._open(name)
-            try:
-                sizes[name] = opened.size
-            finally:
-                opened.close()
+        sizes = file_sizes(reader._open, files)
         records = shard_records({name: reader._header(name) for name in files}, sizes, directory)
         weight_map = {key: record.file for key, record in records.items()}
         reader._sources["model"] = _Source("safetensors", weight_map, records, {})

@@ -626,3 +626,28 @@ def test_resaving_a_step_on_s3_from_two_ranks_keeps_the_committed_one(s3):
     assert results[1]["outcome"] == "DistributedSaveError"
     for outcome in results.values():
         assert_same(torch.arange(8.0), outcome["loaded"])
+
+
+# ---- one root, several spellings -------------------------------------------------------------
+
+
+def save_with_own_spelling(rank: int, world: int, parent: str) -> dict[str, object]:
+    os.chdir(parent)  # rank 1 names the root relative to its working directory
+    root = os.path.join(parent, "run") + "/" if rank == 0 else "run"
+    weights = full_weights()
+    targets = sharded_state(rank, world, {k: torch.zeros_like(v) for k, v in weights.items()})
+    with ckptd.Checkpointer(root, dist_timeout=30) as ckpt:
+        result = ckpt.save(1, {"model": sharded_state(rank, world, weights)})
+        ckpt.load(1, into={"model": targets})
+    return {"path": result.path, "root": ckpt.root, "loaded": targets}
+
+
+def test_ranks_spelling_one_root_differently_save_one_checkpoint(tmp_path):
+    outcomes = run_ranks(2, save_with_own_spelling, str(tmp_path))
+    expected = os.path.join(str(tmp_path), "run")
+    assert outcomes[0]["root"] == outcomes[1]["root"] == expected
+    assert outcomes[0]["path"] == outcomes[1]["path"] == os.path.join(expected, "checkpoint-1")
+    assert sorted(os.listdir(expected)) == ["checkpoint-1"]
+    weights = full_weights()
+    for rank in (0, 1):
+        assert_same(sharded_state(rank, 2, weights)["bias"], outcomes[rank]["loaded"]["bias"])
