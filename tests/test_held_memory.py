@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same, wait_for
+from conftest import assert_same, process_state, wait_for, writers_strike
 
 import ckptd
 from ckptd.errors import ConfigError, HeldRootInUseError, UnsafeCheckpointError
@@ -126,7 +126,9 @@ def test_a_restarted_trainer_restores_from_memory_after_a_killpg_and_the_memory_
 
 def test_a_trainer_killed_mid_save_leaves_its_previous_snapshot_and_never_serves_the_half_written_one(tmp_path):
     name, local = _name(), str(tmp_path / "local")
-    trainer = Trainer(f"shm://{name}", local, last=1, hold=5.0, mode="big")
+    # the trainer's writer stops itself right after its first write into step 2's staging
+    with writers_strike("write", r"/\.checkpoint-2\.tmp-[^/]+/model-[^/]*\.safetensors$", whom="stop"):
+        trainer = Trainer(f"shm://{name}", local, last=1, hold=5.0, mode="big")
     root = held_path(name)
 
     def staged_bytes() -> int:
@@ -137,12 +139,8 @@ def test_a_trainer_killed_mid_save_leaves_its_previous_snapshot_and_never_serves
                     total += sum(os.path.getsize(os.path.join(directory, f)) for f in files)
         return total
 
-    wait_for(lambda: staged_bytes() > 0 or os.path.exists(os.path.join(root, "checkpoint-2")), timeout=60)
-    os.kill(trainer.pids["writer"], signal.SIGSTOP)
-    if os.path.exists(os.path.join(root, "checkpoint-2")):
-        os.kill(trainer.pids["writer"], signal.SIGCONT)
-        trainer.kill_group()
-        pytest.skip("the writer committed step 2 before it could be frozen mid-way (a very fast machine)")
+    wait_for(lambda: process_state(trainer.pids["writer"]) == "T", timeout=60)
+    assert not os.path.exists(os.path.join(root, "checkpoint-2"))
     trainer.kill_group()
     assert staged_bytes() > 0  # a half-written snapshot of step 2 is in memory...
     with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=0, tiers=[ckptd.Tier(local, every=2)]) as restarted:

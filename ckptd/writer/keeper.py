@@ -74,11 +74,11 @@ class HoldLease:
 
     def __init__(self, name: str, hold_after_exit: float) -> None:
         self.name = held_name(name)
-        _write_settings(self.name, hold_after_exit)
         fd = os.open(control_path(self.name, "inuse"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self._release = weakref.finalize(self, os.close, fd)  # a lease dropped unclosed is let go too
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a keeper removes the root (and its settings)
+            _write_settings(self.name, hold_after_exit)
             self.keeper_pid = start_keeper(self.name)
         except BaseException:
             self.close()
@@ -124,7 +124,7 @@ def drop_held(url: str, force: bool = False) -> HeldRoot:
     described = _describe(name)
     fd = os.open(control_path(name, "inuse"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        if not _try_lock(fd, fcntl.LOCK_EX) and not force:
+        if not _lock_unless_leased(fd) and not force:
             raise HeldRootInUseError(
                 f"{HELD_SCHEME}{name} is in use by a running trainer; stop it first, or drop it anyway with force"
             )
@@ -204,6 +204,18 @@ def _try_lock(fd: int, mode: int) -> bool:
     return True
 
 
+def _lock_unless_leased(fd: int) -> bool:
+    """Take the ``inuse`` lock exclusively unless a lease holds it: a few tries 20 ms apart, since
+    a keeper (or another ``ls``) holds it exclusively for an instant when it looks, while a lease
+    holds it for as long as its process lives."""
+    for attempt in range(5):
+        if _try_lock(fd, fcntl.LOCK_EX):
+            return True
+        if attempt < 4:
+            time.sleep(0.02)
+    return False
+
+
 def _write_settings(name: str, hold_after_exit: float) -> None:
     path = control_path(name, "settings")
     staging = f"{path}.{os.getpid()}"
@@ -242,7 +254,7 @@ def _describe(name: str) -> HeldRoot:
     with contextlib.suppress(FileNotFoundError):
         fd = os.open(control_path(name, "inuse"), os.O_RDONLY | os.O_CLOEXEC)
         try:
-            in_use = not _try_lock(fd, fcntl.LOCK_EX)
+            in_use = not _lock_unless_leased(fd)
         finally:
             os.close(fd)
     keeper_pid = None
