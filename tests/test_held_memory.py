@@ -107,7 +107,7 @@ def _held_bytes(name: str) -> int:
 
 def test_a_restarted_trainer_restores_from_memory_after_a_killpg_and_the_memory_is_released_after_the_hold(tmp_path):
     name, local = _name(), str(tmp_path / "local")
-    trainer = Trainer(f"shm://{name}", local, last=3, hold=2.0)
+    trainer = Trainer(f"shm://{name}", local, last=3, hold=60.0)  # the restart below sets 0.5 s
     keeper = trainer.pids["keeper"]
     trainer.kill_group()
     assert _alive(keeper), "the keeper runs in a session of its own: killpg must not reach it"
@@ -128,7 +128,7 @@ def test_a_trainer_killed_mid_save_leaves_its_previous_snapshot_and_never_serves
     name, local = _name(), str(tmp_path / "local")
     # the trainer's writer stops itself right after its first write into step 2's staging
     with writers_strike("write", r"/\.checkpoint-2\.tmp-[^/]+/model-[^/]*\.safetensors$", whom="stop"):
-        trainer = Trainer(f"shm://{name}", local, last=1, hold=5.0, mode="big")
+        trainer = Trainer(f"shm://{name}", local, last=1, hold=60.0, mode="big")
     root = held_path(name)
 
     def staged_bytes() -> int:
@@ -153,10 +153,10 @@ def test_a_trainer_killed_mid_save_leaves_its_previous_snapshot_and_never_serves
 
 def test_a_new_trainer_takes_the_held_root_over_and_stops_the_clock(tmp_path):
     name = _name()
-    trainer = Trainer(f"shm://{name}", str(tmp_path / "local"), last=2, hold=1.0)
+    trainer = Trainer(f"shm://{name}", str(tmp_path / "local"), last=2, hold=60.0)
     keeper = trainer.pids["keeper"]
     trainer.kill_group()
-    successor = ckptd.Checkpointer(f"shm://{name}", hold_after_exit=1.0)
+    successor = ckptd.Checkpointer(f"shm://{name}", hold_after_exit=1.0)  # the hold is 1 s from now on
     try:
         time.sleep(3.0)  # three times the hold: only the successor's lease keeps the root
         assert successor.steps() == [1, 2]
