@@ -20,23 +20,21 @@ INT_OR_NONE = (int, type(None))
 
 ENVELOPE = {"schema": int, "command": str, "ok": bool}
 ERROR = {**ENVELOPE, "error": {"code": str, "exit_code": int, "message": str, "hint": str}}
+LISTED_CHECKPOINT = {
+    "step": int,
+    "path": str,
+    "created_utc": str,
+    "bytes_written": int,
+    "bytes_linked": int,
+    "bytes_copied": int,
+    "bytes_referenced": int,
+    "files": int,
+    "references": [str],
+}
 LS = {
     **ENVELOPE,
     "root": str,
-    "checkpoints": [
-        {
-            "step": int,
-            "path": str,
-            "created_utc": str,
-            "state": str,
-            "bytes_written": int,
-            "bytes_linked": int,
-            "bytes_copied": int,
-            "bytes_referenced": int,
-            "files": int,
-            "references": [str],
-        }
-    ],
+    "checkpoints": [{**LISTED_CHECKPOINT, "state": str}],
     "leftovers": [
         {"name": str, "path": str, "kind": str, "bytes": int, "files": int, "active": bool, "collectable": bool}
     ],
@@ -47,19 +45,7 @@ LS = {
             "every": int,
             "keep_last": INT_OR_NONE,
             "error": STR_OR_NONE,
-            "checkpoints": [
-                {
-                    "step": int,
-                    "path": str,
-                    "created_utc": str,
-                    "bytes_written": int,
-                    "bytes_linked": int,
-                    "bytes_copied": int,
-                    "bytes_referenced": int,
-                    "files": int,
-                    "references": [str],
-                }
-            ],
+            "checkpoints": [LISTED_CHECKPOINT],
         }
     ],
 }
