@@ -40,6 +40,19 @@ def expected_objects() -> dict[str, Any]:
     return {f"optimizer.extra/shard_{r}_{WORLD}": {"rank": r, "lr": 0.1 * (r + 1)} for r in range(WORLD)}
 
 
+def assert_whole_layout_loaded(result: dict[str, Any]) -> None:
+    """A load of the whole layout: every tensor, the layer, the objects and the common state."""
+    from conftest import assert_same  # the test process only: rank processes never call this
+
+    assert_same(expected_tensors(), result["model"])
+    if "layer1" in result:
+        assert_same(LAYERS[1], result["layer1"])
+    if "extra0" in result:
+        assert result["extra0"] == expected_objects()[f"optimizer.extra/shard_0_{WORLD}"]
+    assert result["extra"] == expected_objects()[f"optimizer.extra/shard_1_{WORLD}"]
+    assert_same(COMMON, {k: result[k] for k in COMMON})
+
+
 def stub_cuda_for_megatron_save() -> None:
     """Let Megatron's save path run on CPU: its two CUDA calls become no-ops (this process only)."""
     torch.cuda.synchronize = lambda *args, **kwargs: None

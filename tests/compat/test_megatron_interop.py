@@ -33,6 +33,7 @@ from megatron_fixtures import (
     COMMON,
     LAYERS,
     WORLD,
+    assert_whole_layout_loaded,
     expected_for_rank,
     expected_objects,
     expected_tensors,
@@ -70,16 +71,6 @@ def one_rank_group() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def assert_whole_layout_loaded(result: dict[str, Any]) -> None:
-    assert_same(expected_tensors(), result["model"])
-    if "layer1" in result:
-        assert_same(LAYERS[1], result["layer1"])
-    if "extra0" in result:
-        assert result["extra0"] == expected_objects()[f"optimizer.extra/shard_0_{WORLD}"]
-    assert result["extra"] == expected_objects()[f"optimizer.extra/shard_1_{WORLD}"]
-    assert_same(COMMON, {k: result[k] for k in COMMON})
 
 
 # ---- what real Megatron wrote -------------------------------------------------------------------

@@ -22,8 +22,8 @@ from conftest import assert_same
 from distributed import run_ranks
 from megatron_fixtures import (
     COMMON,
-    LAYERS,
     WORLD,
+    assert_whole_layout_loaded,
     expected_for_rank,
     expected_objects,
     expected_tensors,
@@ -80,16 +80,6 @@ def flip_a_byte(directory: str) -> str:
     data[len(data) // 2] ^= 0xFF
     Path(path).write_bytes(bytes(data))
     return name
-
-
-def assert_whole_layout_loaded(result: dict[str, Any]) -> None:
-    assert_same(expected_tensors(), result["model"])
-    if "layer1" in result:
-        assert_same(LAYERS[1], result["layer1"])
-    if "extra0" in result:
-        assert result["extra0"] == expected_objects()[f"optimizer.extra/shard_0_{WORLD}"]
-    assert result["extra"] == expected_objects()[f"optimizer.extra/shard_1_{WORLD}"]
-    assert_same(COMMON, {k: result[k] for k in COMMON})
 
 
 def needs_integrity(generated: tuple[str, dict[int, dict[str, Any]]]) -> None:
