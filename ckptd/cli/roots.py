@@ -100,16 +100,7 @@ def _ls(args: argparse.Namespace, context: Context) -> Result:
     from ..garbage import find_leftovers
 
     storage, root = open_root(args.root, context)
-    checkpoints = [
-        {
-            "step": info.step,
-            "path": info.path,
-            "created_utc": info.created_utc,
-            "state": "committed",
-            **file_totals(info.manifest),
-        }
-        for info in list_checkpoints(storage, root)
-    ]
+    checkpoints = [{**_listed(info), "state": "committed"} for info in list_checkpoints(storage, root)]
     leftovers = [
         {
             "name": item.name,
@@ -129,6 +120,11 @@ def _ls(args: argparse.Namespace, context: Context) -> Result:
         "tiers": _tier_listings(storage, root, context),
     }
     return body, _render_ls, EXIT_OK
+
+
+def _listed(info: Any) -> dict[str, Any]:
+    """A committed checkpoint as ``ls`` lists it (a root's or a tier's)."""
+    return {"step": info.step, "path": info.path, "created_utc": info.created_utc, **file_totals(info.manifest)}
 
 
 def _tier_listings(storage: Storage, root: str, context: Context) -> list[dict[str, Any]]:
@@ -160,10 +156,7 @@ def _tier_listings(storage: Storage, root: str, context: Context) -> list[dict[s
         try:
             tier_root = normalize_location(tier["root"])
             tier_storage = storage_for(tier_root, context.storage_options)
-            entry["checkpoints"] = [
-                {"step": info.step, "path": info.path, "created_utc": info.created_utc, **file_totals(info.manifest)}
-                for info in list_checkpoints(tier_storage, tier_root)
-            ]
+            entry["checkpoints"] = [_listed(info) for info in list_checkpoints(tier_storage, tier_root)]
         except Exception as e:  # noqa: BLE001 - a tier out of reach is reported, the root's listing stands
             entry["error"] = f"{type(e).__name__}: {e}"
         listed.append(entry)

@@ -128,9 +128,7 @@ def drop_held(url: str, force: bool = False) -> HeldRoot:
             raise HeldRootInUseError(
                 f"{HELD_SCHEME}{name} is in use by a running trainer; stop it first, or drop it anyway with force"
             )
-        _remove_root(name)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(control_path(name, "settings"))
+        _forget(name)
     finally:
         os.close(fd)
     return described
@@ -176,15 +174,12 @@ def keep(name: str) -> None:
         if _try_lock(inuse, fcntl.LOCK_EX):
             try:
                 if not os.path.isdir(held_path(name)):  # dropped, or nothing was ever saved there
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(control_path(name, "settings"))
+                    _forget(name)
                     return
                 now = time.monotonic()
                 unused_since = now if unused_since is None else unused_since
                 if now - unused_since >= _hold_seconds(name):
-                    _remove_root(name)
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(control_path(name, "settings"))
+                    _forget(name)
                     return
             finally:
                 fcntl.flock(inuse, fcntl.LOCK_UN)
@@ -230,6 +225,13 @@ def _hold_seconds(name: str) -> float:
             return float(json.load(f)["hold_after_exit"])
     except (OSError, ValueError, KeyError, TypeError):
         return DEFAULT_HOLD_AFTER_EXIT
+
+
+def _forget(name: str) -> None:
+    """Remove the root (if any) and its hold settings; the caller holds the ``inuse`` lock."""
+    _remove_root(name)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(control_path(name, "settings"))
 
 
 def _remove_root(name: str) -> None:
