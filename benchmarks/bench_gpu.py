@@ -154,6 +154,32 @@ def dcp_row(state: dict[str, torch.Tensor], where: str, rounds: int) -> dict[str
     return {"blocking": blocking, "committed": committed}
 
 
+def budget_rows(state: dict[str, torch.Tensor], where: str, budget: str, rounds: int) -> dict[str, Any]:
+    """Saves of ``state`` through a ``staging_memory`` budget (streamed through a pinned ring
+    when the state is larger): blocking and committed, and with background staging the time
+    until every byte is staged (what the next optimizer step waits for)."""
+    out: dict[str, Any] = {k: [] for k in ("blocking", "committed", "background_blocking", "background_staged")}
+    with ckptd.Checkpointer(os.path.join(where, "budget"), keep_last=2, staging_memory=budget) as ckpt:
+        ckpt.save(0, {"model": state})
+        out["streamed"] = all(arena.streamed and arena.pinned for arena in ckpt._pool._arenas)
+        step = 0
+        for _ in range(rounds):
+            step += 1
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            request = ckpt.async_save(step, {"model": state}, staging="blocking")
+            out["blocking"].append(time.perf_counter() - started)
+            out["committed"].append(request.wait(600).timings["total"])
+            step += 1
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            request = ckpt.async_save(step, {"model": state}, staging="background")
+            out["background_blocking"].append(time.perf_counter() - started)
+            out["background_staged"].append(wait_staged(request, started))
+            request.wait(600)
+    return out
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -166,6 +192,9 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="write every figure here")
     parser.add_argument("--no-dcp", action="store_true", help="skip the DCP row")
+    parser.add_argument(
+        "--staging-memory", default=None, help="also save through this staging budget (e.g. 256MiB: streamed)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py needs a CUDA device")
@@ -255,6 +284,8 @@ def main() -> None:
                 rows["load_new"].append(_timed(lambda: ckpt.load(step, device="cuda")))
                 rows["load_into"].append(_timed(lambda: ckpt.load(step, into={"model": state})))
                 rows["load_cpu"].append(_timed(lambda: ckpt.load(step)))
+        if args.staging_memory:
+            figures["budget"] = budget_rows(state, where, args.staging_memory, args.rounds)
         if not args.no_dcp:
             figures["dcp"] = dcp_row(state, where, min(args.rounds, 3))
     finally:
@@ -283,6 +314,11 @@ def main() -> None:
         print(f"  {key:<28} {value:.3f}")
     for key in ("load_floor", "load_new", "load_into", "load_cpu"):
         print(f"  {key:<22} {median(rows[key]):.4f} s")
+    if "budget" in figures:
+        budget = figures["budget"]
+        print(f"  through staging_memory={args.staging_memory} (streamed: {budget['streamed']}):")
+        for key in ("blocking", "committed", "background_blocking", "background_staged"):
+            print(f"    ckptd {key:<20} {median(budget[key]):.4f} s")
     if "dcp" in figures:
         dcp = figures["dcp"]
         if "error" in dcp:

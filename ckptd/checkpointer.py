@@ -44,8 +44,8 @@ from .load.assign import read_components, read_keys, reads_everything, restore_c
 from .load.reader import CheckpointReader
 from .options import DEFAULT_HELD_KEEP_LAST, CheckpointerOptions, check_staging
 from .request import SaveRequest, SaveResult
-from .save.arena import StagingPool
 from .save.saver import SaveJob, Saver
+from .save.staging_pool import StagingPool
 from .save.throttle import StepMonitor
 from .stats import StatsSummary
 from .storage import in_process_only, is_local, local_path, normalize_location, storage_for
@@ -158,7 +158,7 @@ class Checkpointer:
         )
         if self._lease is not None and self._dist is not None:
             _check_one_host(self._dist, root)
-        self._pool = StagingPool(self._writer, self.options.max_in_flight)
+        self._pool = StagingPool(self._writer, self.options.max_in_flight, self.options.staging_budget)
         self._steps: StepMonitor | None = None
         if self.options.throttle:
             self._steps = StepMonitor(self._writer.throttle)

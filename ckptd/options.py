@@ -38,6 +38,9 @@ __all__ = [
 DEFAULT_MAX_SHARD_SIZE = 2 * 1000**3  # "2GB", as HF counts it
 DEFAULT_CHUNK_SIZE = 16 * 1024**2
 DEFAULT_MAX_IN_FLIGHT = 1
+MIN_STREAM_CHUNKS = 4
+"""``staging_memory`` holds at least this many write chunks (``chunk_size``, and ``part_size`` on
+object stores): the copy and the writer then always find room to work in (ckptd.save.streamed)."""
 DEFAULT_WRITER_START_TIMEOUT = 60.0
 DEFAULT_WRITE_THREADS = 1
 DEFAULT_REMOTE_WRITE_THREADS = 4
@@ -120,6 +123,7 @@ _ENV_SIZES = {
     "part_size": "CKPTD_PART_SIZE",
     "part_concurrency": "CKPTD_PART_CONCURRENCY",
     "retry_attempts": "CKPTD_RETRY_ATTEMPTS",
+    "staging_memory": "CKPTD_STAGING_MEMORY",
 }
 _ENV_SECONDS = {
     "writer_start_timeout": "CKPTD_WRITER_START_TIMEOUT",
@@ -164,6 +168,13 @@ class CheckpointerOptions:
         ``"background"`` (returns at once; the copy runs beside training, pipelined).
         ``max_in_flight``: staging arenas, i.e. saves that may be staged while earlier ones are
         still being written (``CKPTD_MAX_IN_FLIGHT``); beyond it ``async_save`` waits.
+        ``staging_memory``: the most host memory all staging arenas together may hold
+        (``CKPTD_STAGING_MEMORY``, e.g. ``"4GiB"``; ``None``: the state's size per save in
+        flight).  A save whose bytes do not fit streams through one arena of this size: the
+        copy fills it as the writer frees it (:mod:`ckptd.save.streamed`), so ``async_save``
+        returns once all but the last ``staging_memory`` bytes are written (``"background"``
+        staging: at once, and the next optimizer step waits instead).  At least four times
+        ``chunk_size`` (and ``part_size`` on object stores).
         ``write_threads``: files the writer writes at once (``CKPTD_WRITE_THREADS``; ``None``:
         1 for local storage, 4 for object stores).
         ``chunk_size``: bytes per write call in the writer (``CKPTD_CHUNK_SIZE``).
@@ -209,6 +220,7 @@ class CheckpointerOptions:
     key_layout: str = "flat"
     staging: str = "blocking"
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    staging_memory: int | str | None = None
     write_threads: int | None = None
     chunk_size: int | str = DEFAULT_CHUNK_SIZE
     writer_start_timeout: float = DEFAULT_WRITER_START_TIMEOUT
@@ -234,6 +246,8 @@ class CheckpointerOptions:
         object.__setattr__(self, "hold_after_exit", parse_duration(self.hold_after_exit, "hold_after_exit"))
         for name in ("max_shard_size", "chunk_size", "part_size"):
             object.__setattr__(self, name, parse_size(getattr(self, name), name))
+        if self.staging_memory is not None:
+            object.__setattr__(self, "staging_memory", parse_size(self.staging_memory, "staging_memory"))
         object.__setattr__(self, "storage_options", dict(self.storage_options or {}))
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
@@ -248,6 +262,12 @@ class CheckpointerOptions:
             raise ConfigError("part_concurrency and retry_attempts must be >= 1")
         if self.max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.staging_memory is not None and int(self.staging_memory) < MIN_STREAM_CHUNKS * self.chunk_bytes:
+            raise ConfigError(
+                f"staging_memory must be at least {MIN_STREAM_CHUNKS} x chunk_size "
+                f"({MIN_STREAM_CHUNKS * self.chunk_bytes} bytes), got {self.staging_memory}: "
+                "raise it or lower chunk_size"
+            )
         if self.write_threads is not None and self.write_threads < 1:
             raise ConfigError(f"write_threads must be >= 1, got {self.write_threads}")
         if self.keep_last is not None and self.keep_last < 1:
@@ -271,6 +291,11 @@ class CheckpointerOptions:
     def chunk_bytes(self) -> int:
         """``chunk_size`` in bytes."""
         return int(self.chunk_size)
+
+    @property
+    def staging_budget(self) -> int | None:
+        """``staging_memory`` in bytes (``None``: no budget)."""
+        return None if self.staging_memory is None else int(self.staging_memory)
 
     @property
     def part_bytes(self) -> int:

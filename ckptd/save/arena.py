@@ -6,7 +6,8 @@ header included, on a single rank) is one contiguous slice in file order, so the
 it with no further copy.  Arenas are created once and
 reused while the state's layout fits; when CUDA is available they are page-locked with
 ``cudaHostRegister`` so device→host copies run at full speed.  A pool of ``max_in_flight`` arenas
-provides back-pressure: a save waits while all of them are still being written.
+(:mod:`ckptd.save.staging_pool`) provides back-pressure: a save waits while all of them are
+still being written.
 
 Staging returns a :class:`StageHandle`.  In blocking mode the bytes are in the arena when it
 returns.  In background mode CPU tensors are copied by a staging thread, in arena order, and the
@@ -16,13 +17,18 @@ writer can write the first files while the last are still being copied; CUDA ten
 event marks the end), so the call returns at once; :class:`StepGuard` then makes the next
 optimizer step wait for the copies (on CUDA, by making the step's stream wait on the event, so
 not even the CPU blocks).
+
+A plan larger than its arena (a ``staging_memory`` budget smaller than the save) is staged as a
+stream through the arena used as a ring (:mod:`ckptd.save.streamed`): always on the staging
+thread, always pipelined, the handle's :class:`~ckptd.save.streamed.RingRoom` receiving what
+the writer has freed.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
-import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from typing import Any
@@ -31,17 +37,18 @@ import torch
 
 from ..errors import CkptdError, WriterError
 from ..formats.torch_dtypes import dtype_from_name
-from ..writer.client import InProcessWriter, PendingWrite, WriterClient
-from ..writer.owner import reset_in_fork_child
+from ..writer.client import PendingWrite
 from ..writer.shm import SharedSegment
-from .plan import RankPlan
+from .plan import ARENA_ALIGNMENT, RankPlan
+from .streamed import RingRoom, StreamPart, copy_streamed, stream_parts
 
-__all__ = ["StageHandle", "StagingArena", "StagingPool", "StepGuard"]
+__all__ = ["StageHandle", "StagingArena", "StepGuard", "arena_bytes"]
 
 logger = logging.getLogger(__name__)
 
 _GROWTH_ALIGNMENT = 2 * 1024 * 1024
 _PUBLISH_BYTES = 4 * 1024 * 1024  # the staging thread moves the watermark in steps of at least this
+_STREAM_CHUNK = 16 * 1024 * 1024  # bytes per copy of a streamed save, unless stage() is told
 
 AfterCopy = Callable[[str, str], None]
 
@@ -59,9 +66,9 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 class StagingArena:
     """One shared-memory segment and the typed tensor views of its current layout."""
 
-    def __init__(self, arena_id: int, size: int, populate: bool = True) -> None:
+    def __init__(self, arena_id: int, size: int, populate: bool = True, limit: int | None = None) -> None:
         self.arena_id = arena_id
-        aligned = -(-size // _GROWTH_ALIGNMENT) * _GROWTH_ALIGNMENT
+        aligned = arena_bytes(size, limit)  # a budget (limit): whole pages, never above it
         self.segment = SharedSegment.create(aligned)  # reserved (fallocate) either way
         self.plan: RankPlan | None = None
         self.busy = False
@@ -74,6 +81,7 @@ class StagingArena:
             # pages in while the writer already writes the chunks copied before.
             self._base.zero_()
         self._views: list[tuple[int, str, str, str, torch.Tensor]] = []  # arena offset, file, component, key
+        self._stream_parts: list[StreamPart] = []  # a streamed plan's parts (then no views)
         self._stream: Any = None
         self.pinned = _pin(self._base)
 
@@ -81,16 +89,23 @@ class StagingArena:
     def size(self) -> int:
         return self.segment.size
 
+    @property
+    def streamed(self) -> bool:
+        """The current plan is larger than the arena: it is staged as a stream through it."""
+        return self.plan is not None and self.plan.arena_size > self.size
+
     def layout(self, plan: RankPlan) -> None:
-        """Lay the arena out for ``plan`` (headers written, tensor views built) unless it already is."""
+        """Lay the arena out for ``plan`` (headers written, tensor views built) unless it already
+        is; a plan larger than the arena is streamed through it (its parts listed instead)."""
         if self.plan is not None and self.plan.signature == plan.signature:
             return
         base = self._require_base()
         if plan.arena_size > self.size:
-            raise WriterError(
-                f"staging arena {self.arena_id} holds {self.size} bytes but the rank plan needs "
-                f"{plan.arena_size}: the staging pool handed out an arena too small for the plan"
-            )
+            self._views = []
+            self._stream_parts = stream_parts(plan)
+            self.plan = plan
+            return
+        self._stream_parts = []
         views: list[tuple[int, str, str, str, torch.Tensor]] = []
         typed: dict[str, tuple[torch.Tensor, int]] = {}  # dtype name -> the arena as that dtype, item size
         strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> contiguous strides
@@ -121,9 +136,14 @@ class StagingArena:
         background: Executor | None = None,
         skip_files: frozenset[str] = frozenset(),
         after_copy: AfterCopy | None = None,
+        stream_chunk: int = _STREAM_CHUNK,
     ) -> StageHandle:
         """Copy every planned local tensor (``tensors[component][key]``) into its arena slot,
         except those of ``skip_files`` (reused by an incremental save).
+
+        A streamed plan (:attr:`streamed`) is copied on ``background`` (required) in chunks of
+        ``stream_chunk`` bytes, as the writer frees the ring; the handle's ``room`` receives the
+        writer's notices.
 
         Without ``background`` the copies are done (and CUDA ones synchronised) on return.  With
         an executor, CPU copies run on it in arena order, moving the handle's watermark, and CUDA
@@ -134,6 +154,8 @@ class StagingArena:
         plan = self.plan
         if plan is None:
             raise WriterError(f"staging arena {self.arena_id} has no layout: call layout(plan) before stage()")
+        if self.streamed:
+            return self._stage_streamed(tensors, background, skip_files, after_copy, stream_chunk)
         cpu: list[tuple[int, torch.Tensor, torch.Tensor, str, str]] = []
         cuda: list[tuple[torch.Tensor, torch.Tensor]] = []
         for start, file_name, component, key, view in self._views:
@@ -179,12 +201,57 @@ class StagingArena:
             background.submit(copy_cpu)
         return handle
 
+    def _stage_streamed(
+        self,
+        tensors: Mapping[str, Mapping[str, torch.Tensor]],
+        background: Executor | None,
+        skip_files: frozenset[str],
+        after_copy: AfterCopy | None,
+        chunk: int,
+    ) -> StageHandle:
+        plan = self.plan
+        assert plan is not None
+        if background is None:
+            raise WriterError("a streamed save is staged on the staging thread, beside its writer")
+        base = self._require_base()
+        handle = StageHandle(plan.arena_size, self.arena_id)
+        room = handle.room = RingRoom(self.size)
+        handle.background = True
+        handle.cpu_pending = True  # the next optimizer step waits for the copy itself
+        parts = self._stream_parts
+
+        def copy() -> None:
+            try:
+                copy_streamed(
+                    base,
+                    parts,
+                    tensors,
+                    skip_files=skip_files,
+                    room=room,
+                    publish=handle.publish,
+                    chunk=min(chunk, self.size // 4),
+                    publish_bytes=min(_PUBLISH_BYTES, chunk),
+                    cuda_stream=self._cuda_stream,
+                    pinned=self.pinned,
+                    after_copy=after_copy,
+                )
+            except BaseException as e:  # noqa: BLE001 - raised by the handle's wait()
+                handle.error = e
+            finally:
+                handle.finish()
+
+        background.submit(copy)
+        return handle
+
+    def _cuda_stream(self, device: torch.device) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
+
     def _queue_cuda_copies(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         """Queue device→host copies on a side stream after the caller's work; returns their event."""
         device = copies[0][1].device
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=device)
-        stream = self._stream
+        stream = self._cuda_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for view, source in copies:
@@ -197,6 +264,7 @@ class StagingArena:
     def close(self) -> None:
         """Drop the views, unpin and unmap; memory is freed once the writer unmaps too."""
         self._views = []
+        self._stream_parts = []
         self.plan = None
         if self._base is not None and self.pinned:
             _unpin(self._base)
@@ -222,6 +290,7 @@ class StageHandle:
         self.size = size
         self.background = False  # a copy on the staging thread (its error reaches wait() wrapped)
         self.staged_upto = 0
+        self.room: RingRoom | None = None  # a streamed save: what the writer has freed of the ring
         self._cond = threading.Condition()
 
     def publish(self, upto: int) -> None:
@@ -325,6 +394,14 @@ class StepGuard:
             self._pending.clear()
 
 
+def arena_bytes(size: int, limit: int | None) -> int:
+    """The bytes :class:`StagingArena` maps for a plan of ``size`` under the budget ``limit``."""
+    aligned = -(-size // _GROWTH_ALIGNMENT) * _GROWTH_ALIGNMENT
+    if limit is not None and aligned > limit:
+        aligned = max(ARENA_ALIGNMENT, limit // ARENA_ALIGNMENT * ARENA_ALIGNMENT)
+    return max(aligned, mmap.PAGESIZE)
+
+
 def _pin(base: torch.Tensor) -> bool:
     if not torch.cuda.is_available():
         return False
@@ -337,102 +414,3 @@ def _pin(base: torch.Tensor) -> bool:
 
 def _unpin(base: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
-
-
-class StagingPool:
-    """Up to ``max_in_flight`` arenas shared with one writer; hands out a free one per save."""
-
-    def __init__(self, writer: WriterClient | InProcessWriter, max_in_flight: int) -> None:
-        self.writer = writer
-        self.max_in_flight = max_in_flight
-        self._arenas: list[StagingArena] = []
-        self._next_id = 0
-        self._cond = threading.Condition()
-        self._closed = False
-        self.after_copy: AfterCopy | None = None  # passed to every stage() (a test seam)
-        reset_in_fork_child(self)
-
-    def acquire(self, plan: RankPlan, *, populate: bool = False) -> tuple[StagingArena, float]:
-        """A free arena laid out for ``plan``, waiting while all are busy; a new arena is
-        pre-faulted only with ``populate`` (``prepare()``: the first save then only copies).
-
-        Returns the arena and the seconds spent waiting (back-pressure).
-        """
-        started = time.perf_counter()
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise WriterError(
-                        "the staging pool is closed: the Checkpointer was closed while a save waited for an arena"
-                    )
-                arena = self._pick(plan, populate)
-                if arena is not None:
-                    arena.busy = True
-                    break
-                self._cond.wait()
-        waited = time.perf_counter() - started
-        try:
-            arena.layout(plan)
-        except BaseException:
-            self.release(arena)
-            raise
-        return arena, waited
-
-    def _pick(self, plan: RankPlan, populate: bool) -> StagingArena | None:
-        free = [a for a in self._arenas if not a.busy]
-        for arena in free:
-            if arena.plan is not None and arena.plan.signature == plan.signature:
-                return arena
-        fitting = [a for a in free if a.size >= plan.arena_size]
-        if fitting:
-            return min(fitting, key=lambda a: a.size)
-        if len(self._arenas) < self.max_in_flight:
-            return self._create(plan.arena_size, populate)
-        if free:
-            victim = free[0]
-            self._arenas.remove(victim)
-            self.writer.detach_arena(victim.arena_id)
-            victim.close()
-            return self._create(plan.arena_size, populate)
-        return None
-
-    def _create(self, size: int, populate: bool) -> StagingArena:
-        self._next_id += 1
-        arena = StagingArena(self._next_id, size, populate)
-        try:
-            self.writer.attach_arena(arena.arena_id, arena.segment)
-        except BaseException:
-            arena.close()
-            raise
-        self._arenas.append(arena)
-        logger.debug("created staging arena %d of %d bytes", arena.arena_id, arena.size)
-        return arena
-
-    def release(self, arena: StagingArena) -> None:
-        """Give an arena back once the writer no longer reads it."""
-        with self._cond:
-            arena.busy = False
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        """Free every arena (callers make sure no write still reads them)."""
-        with self._cond:
-            self._closed = True
-            for arena in self._arenas:
-                arena.close()
-            self._arenas.clear()
-            self._cond.notify_all()
-
-    def forget_after_fork(self) -> None:
-        """In a child created by ``fork()``: a fresh condition (a parent thread may have held it)
-        and no arenas (the parent's are the parent's writer's; the child's mappings are freed)."""
-        self._cond = threading.Condition()
-        self._closed = True
-        for arena in self._arenas:
-            arena.pinned = False  # CUDA is unusable after fork(): the parent unpins its own mapping
-            arena.close()
-        self._arenas.clear()
-
-    @property
-    def bytes_reserved(self) -> int:
-        return sum(a.size for a in self._arenas)

@@ -30,9 +30,9 @@ from typing import Any, TypeVar
 
 from ..catalog import ManifestCache
 from ..dist.group import DistContext
-from ..errors import WriterError
+from ..errors import ConfigError, WriterError
 from ..formats.manifest import Manifest
-from ..options import CheckpointerOptions
+from ..options import MIN_STREAM_CHUNKS, CheckpointerOptions
 from ..request import SaveRequest, SaveResult
 from ..retention import RunRecord, apply_retention
 from ..stats import new_recorder
@@ -42,7 +42,7 @@ from ..storage.liveness import Hold, hold_new_directory
 from ..storage.retry import retries_of
 from ..writer.client import InProcessWriter, WriterClient
 from ..writer.protocol import CopySpec, FileResult, FileSpec, FilesWritten, WriteOrder
-from .arena import StageHandle, StagingArena, StagingPool, StepGuard
+from .arena import StageHandle, StagingArena, StepGuard
 from .commit import (
     ComponentInfo,
     Descriptions,
@@ -59,6 +59,8 @@ from .flatten import FlatComponent
 from .incremental import IncrementalPolicy, Reuse
 from .plan import RankPlan, SavePlan, plan_save
 from .side_thread import SideThread
+from .staging_pool import StagingPool
+from .streamed import RingRoom
 from .throttle import StepMonitor
 
 __all__ = ["SaveJob", "Saver"]
@@ -254,8 +256,14 @@ class Saver:
                     tensors = {c.name: c.tensors for c in flats}
                     # Always on the staging thread: the writer starts on the first chunks while
                     # the copy goes on (a blocking save then waits in finish_staging).
+                    if arena.streamed:
+                        self._check_streamable(arena, rank_plan)
                     handle = arena.stage(
-                        tensors, self._stager, frozenset(reuse.reused), after_copy=self.pool.after_copy
+                        tensors,
+                        self._stager,
+                        frozenset(reuse.reused),
+                        after_copy=self.pool.after_copy,
+                        stream_chunk=self.options.chunk_bytes,
                     )
                 except BaseException:
                     self.pool.release(arena)
@@ -290,6 +298,20 @@ class Saver:
             staging_mode=staging_mode,
             progress=_Progress(staged_at=staged_at),
         )
+
+    def _check_streamable(self, arena: StagingArena, rank_plan: RankPlan) -> None:
+        """A save streamed through ``arena``: S3 uploads whole parts, several at once, so the
+        ring must hold :data:`MIN_STREAM_CHUNKS` of the largest."""
+        if not getattr(self.storage, "uploads_parts", False):
+            return
+        tuning = self.options.tuning
+        part = max(tuning.part_size_for(p.size) for p in rank_plan.pieces)
+        if arena.size < MIN_STREAM_CHUNKS * part:
+            raise ConfigError(
+                f"staging_memory={arena.size} bytes cannot stream this save to {self.root}: uploads go in "
+                f"parts of {part} bytes and the staging ring must hold {MIN_STREAM_CHUNKS} of them "
+                f"({MIN_STREAM_CHUNKS * part} bytes); raise staging_memory or lower part_size"
+            )
 
     def finish_staging(self, job: SaveJob) -> None:
         """A blocking save, after its job was queued (the writer may already be writing): wait
@@ -485,13 +507,14 @@ class Saver:
         chunk, how far the copy has got (:meth:`~ckptd.save.arena.StageHandle.feed`).  Any other
         save sends its request once the copy is over."""
         handle = job.handle
-        if handle is not None and not job.pipelined:
+        room = handle.room if handle is not None else None  # a streamed save
+        if handle is not None and not job.pipelined and room is None:
             handle.done.wait()  # the copy runs alone; its error is raised below (handle.wait())
         started = time.perf_counter()
         writing = False
         try:
             files, copies = self._file_specs(job)
-            if handle is not None and (not files or handle.done.is_set()):
+            if handle is not None and (not files or (handle.done.is_set() and room is None) or handle.error):
                 handle.wait()  # the bytes must be in the arena (raises what the copy raised)
             if not files and not copies:
                 return []
@@ -511,12 +534,15 @@ class Saver:
                 abandon_directory=job.staging,
                 tuning=self._tuning,
                 resume_throttle=resume,
+                streamed=room is not None,
             )
-            if handle is None or handle.done.is_set():
+            if handle is None or (handle.done.is_set() and room is None):
                 written = self.writer.write_files(order).result()
             else:
                 end = max(f.arena_offset + f.size for f in files)
-                pending = self.writer.write_pipelined(handle.staged_upto, order)
+                pending = self.writer.write_pipelined(handle.staged_upto, order, room.free if room else None)
+                if room is not None:
+                    pending.future.add_done_callback(lambda done: _writer_stopped(done, room))
                 written = handle.feed(pending, end)
         finally:
             if writing and self.steps is not None:
@@ -534,6 +560,8 @@ class Saver:
         """What this rank's writer writes from the arena, and what it makes from the last
         checkpoint's files (the rank holding a reused file's first bytes makes it)."""
         hash_mode = self.options.incremental == "hash"
+        # A streamed save writes unchanged files too: comparing needs a file's every byte at once.
+        compare = job.arena is None or not job.arena.streamed
         files: list[FileSpec] = []
         copies: list[CopySpec] = []
         for p in job.rank_plan.pieces:
@@ -543,7 +571,7 @@ class Saver:
                     crc = int(reused.crc32c, 16)
                     copies.append(CopySpec(p.file_name, reused.source, reused.size, crc, reused.digest))
                 continue
-            hashed = job.reuse.hashed.get(p.file_name) if p.whole_file else None
+            hashed = job.reuse.hashed.get(p.file_name) if p.whole_file and compare else None
             files.append(
                 FileSpec(
                     p.file_name,
@@ -569,6 +597,9 @@ class Saver:
         if job.arena is not None and not job.progress.released:
             job.progress.released = True
             if job.handle is not None:
+                if job.handle.room is not None:  # a streamed copy waiting for a writer that is done
+                    ended = WriterError(f"the save of step {job.request.step} ended before it was written")
+                    job.handle.room.fail(ended)
                 job.handle.done.wait()
             self.pool.release(job.arena)
 
@@ -631,6 +662,13 @@ class Saver:
             bytes_linked=bytes_linked,
             bytes_copied=bytes_copied,
         )
+
+
+def _writer_stopped(done: Future[Any], room: RingRoom) -> None:
+    """A streamed save's write ended: if it failed, the copy waiting for room gets its error."""
+    error = done.exception()
+    if error is not None:
+        room.fail(error)
 
 
 def _mark_staged(handle: StageHandle, request: SaveRequest) -> None:

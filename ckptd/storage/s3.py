@@ -149,6 +149,7 @@ class S3Storage(FsspecStorage):
 
     copy_threshold = 5 * _GIB
     copy_part_size = 256 * _MIB
+    uploads_parts = True  # write_view reads several parts of a view at once (a streamed save's ring holds them)
 
     def __init__(
         self, url: str, storage_options: dict[str, Any] | None = None, tuning: StorageTuning | None = None

@@ -44,6 +44,7 @@ from .protocol import (
     ChannelClosed,
     DetachArena,
     Failed,
+    Freed,
     Hello,
     Message,
     Ping,
@@ -97,6 +98,7 @@ class WriterClient:
         self._io_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._pending: dict[int, Future[Message]] = {}
+        self._freed_listeners: dict[int, Callable[[int], None]] = {}  # streamed requests in flight
         self._arenas: dict[int, SharedSegment] = {}
         self._arenas_lock = threading.Lock()
         self._attached: set[int] = set()
@@ -371,11 +373,22 @@ class WriterClient:
         future, _, _ = self._submit(lambda request_id: WriteFiles.of(order, request_id))
         return future
 
-    def write_pipelined(self, staged: int, order: WriteOrder) -> PendingWrite:
+    def write_pipelined(
+        self, staged: int, order: WriteOrder, on_freed: Callable[[int], None] | None = None
+    ) -> PendingWrite:
         """Submit ``order`` as a pipelined :class:`~ckptd.writer.protocol.WriteFiles`: the arena
         bytes below ``staged`` are in place, the rest follow; report them with
-        :meth:`PendingWrite.advance`."""
-        future, request_id, channel = self._submit(lambda request_id: WriteFiles.of(order, request_id, staged))
+        :meth:`PendingWrite.advance`.  ``on_freed(upto)`` receives the writer's
+        :class:`~ckptd.writer.protocol.Freed` notices (a streamed order), on the reader thread."""
+
+        def build(request_id: int) -> WriteFiles:
+            if on_freed is not None:
+                self._freed_listeners[request_id] = on_freed  # before the request can be answered
+            return WriteFiles.of(order, request_id, staged)
+
+        future, request_id, channel = self._submit(build)
+        if on_freed is not None:
+            future.add_done_callback(lambda _: self._freed_listeners.pop(request_id, None))
         return PendingWrite(future, lambda upto, error: self._notify(channel, Staged(request_id, upto, error)), staged)
 
     def _notify(self, channel: Channel | None, message: Message) -> None:
@@ -431,6 +444,11 @@ class WriterClient:
                 if isinstance(message, Hello):
                     if hello is not None and not hello.done():
                         hello.set_result(message)
+                    continue
+                if isinstance(message, Freed):
+                    listener = self._freed_listeners.get(message.write_id)
+                    if listener is not None:
+                        listener(message.upto)
                     continue
                 future = pending_requests.pop(getattr(message, "request_id", -1), None)
                 if future is not None and not future.done():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import WriterError
@@ -56,14 +57,18 @@ class InProcessWriter:
         self.ensure_running()
         return self._pool.submit(self._write, WriteFiles.of(order, 0))
 
-    def write_pipelined(self, staged: int, order: WriteOrder) -> PendingWrite:
+    def write_pipelined(
+        self, staged: int, order: WriteOrder, on_freed: Callable[[int], None] | None = None
+    ) -> PendingWrite:
         """Like :meth:`write_files`, for an arena still being filled (see ``WriterClient``)."""
         self.ensure_running()
         gate = StagingGate(staged)
         request = WriteFiles.of(order, 0, staged)
-        return PendingWrite(self._pool.submit(self._write, request, gate), gate.advance, staged)
+        return PendingWrite(self._pool.submit(self._write, request, gate, on_freed), gate.advance, staged)
 
-    def _write(self, request: WriteFiles, gate: StagingGate | None = None) -> Message:
+    def _write(
+        self, request: WriteFiles, gate: StagingGate | None = None, on_freed: Callable[[int], None] | None = None
+    ) -> Message:
         segment = self._arenas.get(request.arena_id)
         if segment is None and (request.files or request.arena_id):  # arena 0: only copies
             raise WriterError(
@@ -80,6 +85,7 @@ class InProcessWriter:
                 should_stop=self._stop.is_set,
                 on_progress=self._count,
                 gate=gate,
+                on_freed=on_freed,
             )
         finally:
             self._busy = False

@@ -38,6 +38,7 @@ from .protocol import (
     DetachArena,
     Failed,
     FilesWritten,
+    Freed,
     Hello,
     Ok,
     Ping,
@@ -202,12 +203,19 @@ class _Writer:
                 should_stop=self.abandon.is_set,
                 on_progress=self._count,
                 gate=gate,
+                on_freed=lambda upto: self._tell_freed(request.request_id, upto),
             )
             return dataclasses.replace(written, throttled=self.throttle.throttled_seconds - slept_before)
         except Stopped as e:
             raise _Abandoned() from e
         finally:
             view.release()
+
+    def _tell_freed(self, request_id: int, upto: int) -> None:
+        try:
+            self.channel.send(Freed(request_id, upto))
+        except OSError:
+            pass  # the parent is gone: the request is abandoned at its next chunk
 
     def _count(self, written: int) -> None:
         self.bytes_written += written

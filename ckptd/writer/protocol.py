@@ -13,7 +13,9 @@ Conversation:
    A pipelined request (``staged`` not ``None``: the arena is still being filled) is followed by
    :class:`Staged` notices (no answer) as the parent's staging copy advances; the writer writes
    each chunk once the notices cover it.  A notice with ``error`` set cancels the request: the
-   writer removes the file it was writing and answers :class:`Failed`.
+   writer removes the file it was writing and answers :class:`Failed`.  A streamed request
+   (``streamed``: the save is larger than its arena, which it fills as a ring) is also answered
+   by :class:`Freed` notices as the writer is done with the bytes, so the copy can reuse them.
 4. :class:`Shutdown` (or the parent's death) ends the writer.
 
 This module imports nothing heavy: the writer process uses it too.
@@ -38,6 +40,7 @@ __all__ = [
     "DetachArena",
     "Failed",
     "FileResult",
+    "Freed",
     "FileSpec",
     "FilesWritten",
     "HOW_WRITTEN",
@@ -53,7 +56,7 @@ __all__ = [
     "WriteOrder",
 ]
 
-PROTOCOL_VERSION = 4  # 2: pipelined writes (WriteFiles.staged, Staged); 3: Throttle; 4: copies, digests
+PROTOCOL_VERSION = 5  # 2: pipelined writes (WriteFiles.staged, Staged); 3: Throttle; 4: copies, digests; 5: Freed
 _MAX_FRAME = 256 * 1024 * 1024
 _MAX_FDS = 4
 
@@ -158,7 +161,9 @@ class WriteOrder:
 
     ``abandon_directory`` tells the writer which directory to delete if its parent dies while
     this request is in flight.  ``resume_throttle``: the trainer is training, so the adaptive
-    throttle starts at the limit it learned (:mod:`ckptd.writer.throttle`).
+    throttle starts at the limit it learned (:mod:`ckptd.writer.throttle`).  ``streamed``: the
+    arena offsets are logical, taken modulo the arena's size (a ring the copy refills as the
+    writer answers :class:`Freed`; :mod:`ckptd.writer.ring`).
     """
 
     arena_id: int
@@ -172,6 +177,7 @@ class WriteOrder:
     abandon_directory: str | None = None
     tuning: dict[str, Any] = field(default_factory=dict)
     resume_throttle: bool = False
+    streamed: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,6 +202,15 @@ class Staged(Message):
     write_id: int
     upto: int
     error: str = ""
+
+
+@dataclass(frozen=True)
+class Freed(Message):
+    """The writer of streamed request ``write_id`` no longer needs the bytes below the logical
+    offset ``upto``: the copy may overwrite their place in the ring (a notice, writer to parent)."""
+
+    write_id: int
+    upto: int
 
 
 @dataclass(frozen=True)

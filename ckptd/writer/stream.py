@@ -10,6 +10,8 @@ import hashlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import cast
 
 from ..errors import StorageError
 from ..formats.checksum import CHECKSUM_CHUNK, DIGEST_PREFIX, crc32c, crc32c_of_view, sha256_of_view
@@ -18,6 +20,7 @@ from ..storage.local import LocalStorage
 from ..storage.retry import retries_of
 from .gate import StagingGate, chunk_gate
 from .protocol import CopySpec, FileResult, FileSpec, FilesWritten, WriteFiles
+from .ring import RingArena, RingReader
 
 __all__ = ["write_files"]
 
@@ -30,6 +33,7 @@ def write_files(
     should_stop: Callable[[], bool],
     on_progress: Callable[[int], None],
     gate: StagingGate | None = None,
+    on_freed: Callable[[int], None] | None = None,
 ) -> FilesWritten:
     """Write every file of ``request`` from ``arena`` and make its ``copies``; raises on the
     first failure.
@@ -43,18 +47,45 @@ def write_files(
     bytes are staged: chunk by chunk on local storage (its ``write_view`` reads the view in
     order, polling ``should_stop()`` before each chunk), the whole file first elsewhere.
 
+    A ``streamed`` request reads ``arena`` as a ring (:mod:`ckptd.writer.ring`) and reports with
+    ``on_freed(upto)`` the logical offset below which it needs no byte any more.
+
     ``copies`` (files an incremental save takes from the last committed checkpoint) are made by
     the storage's ``copy_file``: hard links on local disk, server-side copies on object stores.
     """
     started = time.perf_counter()
     storage = storage_for(request.directory, request.storage_options, StorageTuning(**request.tuning))
+    readers: dict[int, _FileReaders] = {}
+    if request.streamed:
+        ring = RingArena(
+            arena, gate, should_stop=should_stop, on_freed=on_freed or _ignore, notice_bytes=request.chunk_size
+        )
+        readers = {id(spec): _FileReaders.of(ring, spec, copying=not storage.local) for spec in request.files}
 
     def write_one(spec: FileSpec, fsync: bool = request.fsync) -> FileResult:
+        if request.streamed:
+            return _write_streamed(
+                storage, request, spec, readers[id(spec)], checksums, should_stop, on_progress, fsync
+            )
         return _write_file(storage, request, spec, arena, checksums, should_stop, on_progress, gate, fsync)
 
     def copy_one(spec: CopySpec) -> FileResult:
         return _copy_file(storage, request, spec, should_stop)
 
+    try:
+        results = _write_all(storage, request, write_one, copy_one)
+    finally:
+        for file_readers in readers.values():
+            file_readers.close()  # a failed request holds nothing back either
+    return FilesWritten(request.request_id, results, time.perf_counter() - started, retries_of(storage))
+
+
+def _write_all(
+    storage: Storage,
+    request: WriteFiles,
+    write_one: Callable[..., FileResult],
+    copy_one: Callable[[CopySpec], FileResult],
+) -> list[FileResult]:
     if request.threads > 1 and len(request.files) + len(request.copies) > 1:
         count = min(request.threads, len(request.files) + len(request.copies))
         with ThreadPoolExecutor(count, thread_name_prefix="ckptd-file") as pool:
@@ -72,7 +103,100 @@ def write_files(
             results += _write_syncing_behind(storage, request, write_one)
         else:
             results += [write_one(spec) for spec in request.files]
-    return FilesWritten(request.request_id, results, time.perf_counter() - started, retries_of(storage))
+    return results
+
+
+def _ignore(upto: int) -> None:
+    """No one to tell what the ring freed."""
+
+
+@dataclass(frozen=True)
+class _FileReaders:
+    """The readers of one file of a streamed request: the storage's write, the CRC32C, and the
+    SHA-256 when the request asks for it."""
+
+    write: RingReader
+    crc: RingReader
+    digest: RingReader | None
+
+    @classmethod
+    def of(cls, ring: RingArena, spec: FileSpec, copying: bool) -> _FileReaders:
+        def reader(copy: bool) -> RingReader:
+            return ring.reader(spec.arena_offset, spec.size, spec.name, copying=copy)
+
+        return cls(reader(copying), reader(False), reader(False) if spec.digest and spec.whole_file else None)
+
+    def close(self) -> None:
+        for reader in (self.write, self.crc, self.digest):
+            if reader is not None:
+                reader.close()
+
+
+def _write_streamed(
+    storage: Storage,
+    request: WriteFiles,
+    spec: FileSpec,
+    readers: _FileReaders,
+    checksums: Executor,
+    should_stop: Callable[[], bool],
+    on_progress: Callable[[int], None],
+    fsync: bool,
+) -> FileResult:
+    """Write one file of a streamed request from the ring, its checksums read beside the write.
+    (An unchanged file is not looked for: that needs all of its bytes before the first write.)"""
+    started = time.perf_counter()
+    path = storage.join(request.directory, spec.name)
+    checksum = checksums.submit(_crc32c_of_spans, readers.crc, request.chunk_size)
+    digest = checksums.submit(_sha256_of_spans, readers.digest, request.chunk_size) if readers.digest else None
+    data = cast(memoryview, readers.write)  # reads like a memoryview: len(), slices, bytes()
+    try:
+        if spec.whole_file:
+            storage.write_view(
+                path, data, fsync=fsync, chunk_size=request.chunk_size, should_stop=should_stop, on_progress=on_progress
+            )
+        else:
+            storage.write_at(
+                path,
+                spec.file_offset,
+                data,
+                fsync=fsync,
+                chunk_size=request.chunk_size,
+                should_stop=should_stop,
+                on_progress=on_progress,
+            )
+    except BaseException:
+        readers.close()  # the checksum threads stop waiting for bytes no one will stage
+        raise
+    finally:
+        readers.write.close()
+    return FileResult(
+        spec.name,
+        spec.size,
+        checksum.result(),
+        time.perf_counter() - started,
+        spec.file_offset,
+        digest=digest.result() if digest is not None else None,
+    )
+
+
+def _crc32c_of_spans(reader: RingReader, chunk: int) -> int:
+    value = 0
+    try:
+        for span in reader.spans(chunk):
+            value = crc32c(span, value)
+    finally:
+        reader.close()
+    return value
+
+
+def _sha256_of_spans(reader: RingReader, chunk: int) -> str:
+    hasher = hashlib.sha256()
+    try:
+        for span in reader.spans(chunk):
+            hasher.update(span)
+    finally:
+        reader.close()
+    return DIGEST_PREFIX + hasher.hexdigest()
 
 
 def _copy_file(storage: Storage, request: WriteFiles, spec: CopySpec, should_stop: Callable[[], bool]) -> FileResult:

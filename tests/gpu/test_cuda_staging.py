@@ -144,6 +144,23 @@ def _optimizer_state(saved: Any) -> Any:
     return {int(k): v for k, v in saved["state"].items()}
 
 
+@pytest.mark.parametrize("staging", ["blocking", "background"])
+def test_a_state_larger_than_the_budget_streams_from_the_device_through_the_pinned_ring(root, staging):
+    """512 MiB of parameters through a 64 MiB page-locked ring, chunk by chunk on the side stream;
+    with background staging the optimizer step that follows waits for the last chunk."""
+    model = _big_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=10.0)
+    expected = _host(model.state_dict())
+    with ckptd.Checkpointer(root, staging_memory="64MiB", chunk_size="8MiB") as ckpt:
+        request = ckpt.async_save(1, {"model": model}, staging=staging)
+        optimizer.step()
+        request.wait(300)
+        (arena,) = ckpt._pool._arenas
+        assert arena.streamed and arena.pinned and arena.size == 64 * 1024 * 1024
+        assert_same(expected, ckpt.load(1, verify=True)["model"])
+    assert not torch.equal(expected["0.weight"], model[0].weight.cpu())  # the step did run
+
+
 def test_loads_land_on_the_device_bit_for_bit(checkpointer):
     torch.manual_seed(2)
     state = {

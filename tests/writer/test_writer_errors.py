@@ -14,8 +14,9 @@ import pytest
 
 from ckptd.errors import ConfigError, CorruptCheckpointError, WriterError
 from ckptd.formats.manifest import parse_state_file
-from ckptd.save.arena import StagingArena, StagingPool
+from ckptd.save.arena import StagingArena
 from ckptd.save.plan import LocalTensor, plan_save
+from ckptd.save.staging_pool import StagingPool
 from ckptd.writer.client import InProcessWriter, WriterClient
 from ckptd.writer.protocol import FileSpec, WriteOrder
 from ckptd.writer.shm import SharedSegment
@@ -69,9 +70,11 @@ def test_arena_misuse_is_a_writer_error_naming_the_arena():
     try:
         with pytest.raises(WriterError, match="staging arena 7 has no layout"):
             arena.stage({})
-        too_big = _rank_plan(2048)  # 8 MiB of tensors, the arena is 2 MiB
-        with pytest.raises(WriterError, match=rf"staging arena 7 holds {arena.size} bytes but .* {too_big.arena_size}"):
-            arena.layout(too_big)
+        too_big = _rank_plan(2048)  # 8 MiB of tensors, the arena is 2 MiB: streamed through it
+        arena.layout(too_big)
+        assert arena.streamed
+        with pytest.raises(WriterError, match="a streamed save is staged on the staging thread"):
+            arena.stage({})
     finally:
         arena.close()
     with pytest.raises(WriterError, match="staging arena 7 is closed"):
