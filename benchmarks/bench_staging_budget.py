@@ -10,6 +10,8 @@ Per round, interleaved (floor, ckptd, floor, ckptd on this noisy machine):
 * **write floor**: the state's bytes from one page-aligned buffer into one new file with
   ``O_DIRECT`` in 16 MiB ``pwrite`` calls, then ``fsync`` (``floors.WriteFloor``): the same
   bytes, the same durability, the fastest method this machine has;
+* **ring floor** (budget phase): the same writes from a buffer of the budget's size, over and
+  over: what a save bound to that much memory can do at best;
 * **ckptd, budget**: ``async_save`` of the state with ``staging_memory=--budget`` (``--staging``
   mode, ``"blocking"`` by default), then ``result()``: blocking (``timings["blocking"]``),
   committed (from the call to the committed manifest);
@@ -139,7 +141,12 @@ def peak_extra_memory(ckpt: ckptd.Checkpointer, step: int, state: Any, staging: 
 
 
 def run_phase(
-    args: argparse.Namespace, state: Any, floor: WriteFloor, bench_dir: str, budget: int | None
+    args: argparse.Namespace,
+    state: Any,
+    floor: WriteFloor,
+    bench_dir: str,
+    budget: int | None,
+    ring_floor: WriteFloor | None = None,
 ) -> tuple[list[dict[str, float]], int, int]:
     """``--rounds`` pairs (write floor, ckptd save) with one Checkpointer of ``staging_memory=budget``,
     alone in this process, then one save for its peak extra memory (counted from before the
@@ -158,12 +165,15 @@ def run_phase(
         for round_ in range(args.rounds):
             shutil.rmtree(os.path.join(root, f"checkpoint-{round_}"))  # untimed: the disk stays as empty
             row = {"floor": floor.write(True)}
+            if ring_floor is not None:
+                row["ring_floor"] = ring_floor.write(True)
             row |= timed_save(ckpt, round_ + 1, state, args.staging)
             rows.append(row)
             print(
                 f"{label}, round {round_ + 1}: floor {row['floor']:.3f} s | blocking {row['blocking']:.3f} s, "
                 f"committed {row['committed']:.3f} s ({row['committed'] / row['floor']:.2f}x floor), "
-                f"write {row['write']:.3f} s",
+                f"write {row['write']:.3f} s"
+                + (f", ring floor {row['ring_floor']:.3f} s" if ring_floor is not None else ""),
                 flush=True,
             )
         shutil.rmtree(os.path.join(root, f"checkpoint-{args.rounds}"))
@@ -200,13 +210,19 @@ def main() -> int:
         copy.measure()
         floor = WriteFloor(copy.anonymous, copy.nbytes, bench_dir, settle=1.0)
         floor.measure()  # warm-up
-        budget_rows, budget_peak, budget_arenas = run_phase(args, state, floor, bench_dir, budget)
+        ring_floor = WriteFloor(copy.anonymous, copy.nbytes, bench_dir, settle=1.0, source_bytes=budget)
+        budget_rows, budget_peak, budget_arenas = run_phase(args, state, floor, bench_dir, budget, ring_floor)
         summary: dict[str, Any] = {
             "floor": median([r["floor"] for r in budget_rows]),
             "budget_blocking": median([r["blocking"] for r in budget_rows]),
             "budget_committed": median([r["committed"] for r in budget_rows]),
             "budget_committed_ratio": median([r["committed"] / r["floor"] for r in budget_rows]),
             "budget_committed_interval": bootstrap_interval([r["committed"] / r["floor"] for r in budget_rows]),
+            "ring_floor": median([r["ring_floor"] for r in budget_rows]),
+            "budget_committed_ring_ratio": median([r["committed"] / r["ring_floor"] for r in budget_rows]),
+            "budget_committed_ring_interval": bootstrap_interval(
+                [r["committed"] / r["ring_floor"] for r in budget_rows]
+            ),
             "budget_peak_extra": budget_peak,
             "budget_arena_bytes": budget_arenas,
         }
@@ -235,6 +251,11 @@ def main() -> int:
             f"{summary['budget_committed_interval'][1]:.2f}; target <= {TARGET_COMMITTED_RATIO}: "
             f"{'pass' if committed_ok else 'FAIL'}); peak extra memory {summary['budget_peak_extra'] / MIB:.0f} MiB "
             f"(target <= {(budget + TARGET_EXTRA_SLACK) / MIB:.0f} MiB: {'pass' if extra_ok else 'FAIL'})"
+        )
+        low, high = summary["budget_committed_ring_interval"]
+        print(
+            f"against the ring floor (the same writes from a {budget / MIB:.0f} MiB buffer, "
+            f"{summary['ring_floor']:.3f} s): {summary['budget_committed_ring_ratio']:.2f}x ({low:.2f}-{high:.2f})"
         )
         if args.compare_unbudgeted:
             print(

@@ -230,7 +230,7 @@ class StagingArena:
                     room=room,
                     publish=handle.publish,
                     chunk=min(chunk, self.size // 4),
-                    publish_bytes=min(_PUBLISH_BYTES, chunk),
+                    publish_bytes=chunk,  # the writer reads whole chunks: smaller steps only wake it
                     cuda_stream=self._cuda_stream,
                     pinned=self.pinned,
                     after_copy=after_copy,
