@@ -115,17 +115,33 @@ def writers_strike(op: str, pattern: str, whom: str = "self", when: str = "after
     writer inherits: the writer is struck at an exact point of its work, which stepping a stopped
     writer in time slices cannot promise on a busy machine (one slice may finish the save).
     """
-    saved = {name: os.environ.get(name) for name in ("CKPTD_TEST_KILL", "PYTHONPATH")}
-    os.environ["CKPTD_TEST_KILL"] = f"{op}|{pattern}|1|{when}|{whom}"
+    with _oshook_armed("CKPTD_TEST_KILL", f"{op}|{pattern}|1|{when}|{whom}"):
+        yield
+
+
+@contextlib.contextmanager
+def writers_fail(op: str, pattern: str, code: int) -> Iterator[None]:
+    """Writer processes started inside the block fail every ``op`` call on a path matching
+    ``pattern`` with errno ``code``, without making it (``CKPTD_TEST_FAIL`` of the same hook)."""
+    with _oshook_armed("CKPTD_TEST_FAIL", f"{op}|{pattern}|{code}"):
+        yield
+
+
+@contextlib.contextmanager
+def _oshook_armed(variable: str, value: str) -> Iterator[None]:
+    """``variable=value`` and the OS-call hook first on ``PYTHONPATH``, for the processes started
+    inside the block (they inherit both); restored after."""
+    saved = {name: os.environ.get(name) for name in (variable, "PYTHONPATH")}
+    os.environ[variable] = value
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (OSHOOK, saved["PYTHONPATH"]) if p)
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
+        for name, previous in saved.items():
+            if previous is None:
                 os.environ.pop(name, None)
             else:
-                os.environ[name] = value
+                os.environ[name] = previous
 
 
 def process_state(pid: int) -> str | None:

@@ -327,7 +327,9 @@ class Saver:
         if error is None:
             job.request.staged.set()
             return
-        if self.dist is not None:
+        # Under torch.distributed the round's outcome says what every rank raises; a streamed
+        # copy stops when its save does, and the save's own error says why.
+        if self.dist is not None or handle.room is not None:
             try:
                 job.request.result()  # the round's outcome: the other ranks learn of the failure there
             except BaseException as failure:

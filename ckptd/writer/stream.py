@@ -164,33 +164,13 @@ def _write_streamed(
     digest = checksums.submit(_sha256_of_spans, readers.digest, request.chunk_size) if readers.digest else None
     data = cast(memoryview, readers.write)  # reads like a memoryview: len(), slices, bytes()
     try:
-        if spec.whole_file:
-            storage.write_view(
-                path, data, fsync=fsync, chunk_size=request.chunk_size, should_stop=should_stop, on_progress=on_progress
-            )
-        else:
-            storage.write_at(
-                path,
-                spec.file_offset,
-                data,
-                fsync=fsync,
-                chunk_size=request.chunk_size,
-                should_stop=should_stop,
-                on_progress=on_progress,
-            )
+        _store(storage, request, spec, path, data, fsync, should_stop, should_stop, on_progress)
     except BaseException:
         readers.close()  # the checksum threads stop waiting for bytes no one will stage
         raise
     finally:
         readers.write.close()
-    return FileResult(
-        spec.name,
-        spec.size,
-        checksum.result(),
-        time.perf_counter() - started,
-        spec.file_offset,
-        digest=digest.result() if digest is not None else None,
-    )
+    return _written(spec, started, checksum, digest)
 
 
 def _crc32c_of_spans(reader: RingReader, chunk: int) -> int:
@@ -300,32 +280,48 @@ def _write_file(
     else:
         checksum = checksums.submit(crc32c_of_view, data)
     try:
-        if spec.whole_file:
-            storage.write_view(
-                path,
-                data,
-                fsync=fsync,
-                chunk_size=request.chunk_size,
-                should_stop=before_chunk,
-                on_progress=on_progress,
-            )
-        else:
-            # A file shared by several ranks: backends without ``supports_write_at`` refuse it
-            # with a ConfigError naming the file (the storage contract, ObjectWriter step 3).
-            storage.write_at(
-                path,
-                spec.file_offset,
-                data,
-                fsync=fsync,
-                chunk_size=request.chunk_size,
-                should_stop=should_stop,
-                on_progress=on_progress,
-            )
+        _store(storage, request, spec, path, data, fsync, before_chunk, should_stop, on_progress)
     except BaseException:
         checksum.cancel()
         if digest is not None:
             digest.cancel()
         raise
+    return _written(spec, started, checksum, digest)
+
+
+def _store(
+    storage: Storage,
+    request: WriteFiles,
+    spec: FileSpec,
+    path: str,
+    data: memoryview,
+    fsync: bool,
+    before_chunk: Callable[[], bool],
+    should_stop: Callable[[], bool],
+    on_progress: Callable[[int], None],
+) -> None:
+    """Write ``data`` as ``spec`` says: the whole file (``before_chunk`` polled before each
+    chunk), or its piece of a file several ranks write into."""
+    if spec.whole_file:
+        storage.write_view(
+            path, data, fsync=fsync, chunk_size=request.chunk_size, should_stop=before_chunk, on_progress=on_progress
+        )
+    else:
+        # A file shared by several ranks: backends without ``supports_write_at`` refuse it
+        # with a ConfigError naming the file (the storage contract, ObjectWriter step 3).
+        storage.write_at(
+            path,
+            spec.file_offset,
+            data,
+            fsync=fsync,
+            chunk_size=request.chunk_size,
+            should_stop=should_stop,
+            on_progress=on_progress,
+        )
+
+
+def _written(spec: FileSpec, started: float, checksum: Future[int], digest: Future[str] | None) -> FileResult:
+    """The result of a file written from the arena, once its checksums are done."""
     return FileResult(
         spec.name,
         spec.size,

@@ -8,18 +8,16 @@ Small sizes keep the ring turning many times: 1 MiB chunks through a 4 MiB budge
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import OSHOOK, assert_same, staging_dirs, writers_strike
+from conftest import assert_same, staging_dirs, writers_fail, writers_strike
 from distributed import run_ranks
 from safetensors.torch import load_file
 
 import ckptd
-from ckptd.errors import ConfigError, StorageError, WriterError
+from ckptd.errors import CheckpointExistsError, ConfigError, StorageError, WriterError
 
 MIB = 1024 * 1024
 BUDGET = 4 * MIB
@@ -50,23 +48,6 @@ def state_bytes(state: dict[str, dict[str, torch.Tensor]]) -> int:
 
 def arena_bytes(ckpt: ckptd.Checkpointer) -> int:
     return int(ckpt.health_check()["arena_bytes"])
-
-
-@contextlib.contextmanager
-def writers_fail(op: str, pattern: str, code: int) -> Iterator[None]:
-    """Writer processes started inside the block fail every ``op`` call on a path matching
-    ``pattern`` with errno ``code`` (the OS-call hook of tests/reliability/oshook)."""
-    saved = {name: os.environ.get(name) for name in ("CKPTD_TEST_FAIL", "PYTHONPATH")}
-    os.environ["CKPTD_TEST_FAIL"] = f"{op}|{pattern}|{code}"
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (OSHOOK, saved["PYTHONPATH"]) if p)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @pytest.mark.timeout(120)
@@ -188,6 +169,11 @@ def test_s3_uploads_several_parts_of_a_streamed_file_at_once_and_leaves_no_uploa
     with ckptd.Checkpointer(url, storage_options=s3.options(), **options) as ckpt:
         ckpt.save(1, state)  # one 24 MiB file in 5 MiB parts, through a 24 MiB ring
         assert arena_bytes(ckpt) == 24 * MIB
+        assert_same(state, ckpt.load(1))
+        # An object store learns that the step exists when the save claims it, after the copy
+        # started: the caller gets that error, not the copy's.
+        with pytest.raises(CheckpointExistsError, match="checkpoint-1"):
+            ckpt.async_save(1, state)
         assert_same(state, ckpt.load(1))
     assert s3.uploads() == []
     with ckptd.Checkpointer(url, storage_options=s3.options(), staging_memory="16MiB", chunk_size="1MiB") as ckpt:
