@@ -21,7 +21,10 @@ reported beside them and labelled so.
   requests per file and bytes fetched by a load, counted on the server; load time vs boto3
   ranged GETs and vs DCP's ``FsspecReader``;
 * G: ``bench_scaling.py``: growth of blocking, total and writer RSS with the state size;
-  per-tensor overhead between tensor counts of the same bytes.
+  per-tensor overhead between tensor counts of the same bytes;
+* B: ``bench_staging_budget.py``: a 2 GiB state through ``staging_memory="256MiB"`` (``--quick``:
+  256 MiB through 64 MiB): peak extra memory vs the budget + 64 MiB, committed vs the write floor,
+  blocking as it is, and the same save without a budget for reference.
 
 The table is printed in Markdown (target, ours, baseline, ratio, limit, pass/fail); the exit code
 is 1 when a target fails or a script fails, else 0.
@@ -88,6 +91,9 @@ def script_argv(name: str, args: argparse.Namespace) -> list[str]:
         plot = ["--plot", args.scaling_plot] if args.scaling_plot else []
         sizes = ["--sizes", args.scaling_sizes, "--counts", args.scaling_counts, "--timeout", str(args.scaling_timeout)]
         return ["--repeats", str(args.repeats), *sizes, *plot, *common]
+    if name == "budget":
+        size = ["--quick"] if args.quick else ["--gib", "2", "--budget", "256MiB", "--rounds", "8"]
+        return [*size, "--compare-unbudgeted", *common]
     sized = ["--gib", str(args.gib), "--repeats", str(args.repeats), *common]
     if name == "memory":
         return [*sized, "--saves", str(args.soak_saves)]
@@ -103,6 +109,7 @@ SCRIPTS = {
     "load": "bench_load.py",
     "s3": "bench_s3.py",
     "scaling": "bench_scaling.py",
+    "budget": "bench_staging_budget.py",
 }
 
 
@@ -572,6 +579,56 @@ def scaling_targets(data: Results) -> list[Target]:
     return rows
 
 
+def budget_targets(data: Results) -> list[Target]:
+    """Issue 29's bounded-memory targets from ``bench_staging_budget.py``'s JSON."""
+    summary, budget = data["summary"], data["budget"]
+    limit = budget + 64 * MIB
+    low, high = summary["budget_committed_interval"]
+
+    def mib(value: float) -> str:
+        return f"{value / MIB:.0f} MiB"
+
+    rows = [
+        Target(
+            f"B1. peak extra PSS (trainer + writer) saving {data['state_bytes'] / GIB:.2f} GiB through "
+            f"staging_memory={mib(budget)} (vs the budget + 64 MiB)",
+            mib(summary["budget_peak_extra"]),
+            mib(limit),
+            f"{summary['budget_peak_extra'] / limit:.2f}",
+            "<= 1.00",
+            summary["budget_peak_extra"] <= limit,
+        ),
+        Target(
+            "B2. committed through the budget (vs the write floor; 95% bootstrap interval of the median)",
+            seconds_text(summary["budget_committed"]),
+            seconds_text(summary["floor"]),
+            f"{summary['budget_committed_ratio']:.2f} ({low:.2f}-{high:.2f})",
+            "<= 1.15",
+            summary["budget_committed_ratio"] <= 1.15,
+        ),
+        Target(
+            "B3. blocking through the budget (reference: all but the budget's bytes written first)",
+            seconds_text(summary["budget_blocking"]),
+            seconds_text(summary["full_blocking"]) + " (no budget)" if "full_blocking" in summary else "-",
+            "-",
+            "reported",
+            None,
+        ),
+    ]
+    if "full_peak_extra" in summary:
+        rows.append(
+            Target(
+                "B4. the same save without a budget (reference): peak extra PSS, committed vs the write floor",
+                mib(summary["full_peak_extra"]),
+                "-",
+                f"{summary['full_committed_ratio']:.2f}",
+                "reported",
+                None,
+            )
+        )
+    return rows
+
+
 TARGETS: dict[str, Callable[[Results], list[Target]]] = {
     "save": save_targets,
     "interference": interference_targets,
@@ -579,6 +636,7 @@ TARGETS: dict[str, Callable[[Results], list[Target]]] = {
     "load": load_targets,
     "s3": s3_targets,
     "scaling": scaling_targets,
+    "budget": budget_targets,
 }
 
 
