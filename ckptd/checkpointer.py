@@ -832,7 +832,7 @@ def _release(
     jobs.put(None)
     if wait and completer is not threading.current_thread():
         completer.join(_ABANDON_SECONDS if abandon else None)
-    saver.close()
+    saver.close(wait=wait and not abandon)
     if steps is not None:
         steps.close()
     writer.close()

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -179,6 +180,8 @@ class Saver:
             )
             self.exchange = Exchange(dist, root, book)
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-stage")
+        self._streams: set[RingRoom] = set()  # the rings of streamed saves still being copied
+        self._streams_lock = threading.Lock()
         # The coordinator writes the indexes and state file here while the shards are written.
         self._describing = SideThread("ckptd-describe")
         self.guard = StepGuard()
@@ -197,8 +200,17 @@ class Saver:
         if removed:
             logger.info("ckptd: keep_last=%d removed %s", self.options.keep_last, ", ".join(removed))
 
-    def close(self) -> None:
-        """Stop the staging thread (after the copies in flight) and remove the step guard."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the staging thread (after the copies in flight) and remove the step guard.
+
+        Without ``wait``, a streamed copy still waiting for the writer to free its ring stops
+        (its save fails): it could otherwise wait for a stuck writer forever, while a copy into
+        an arena of its own always ends by itself."""
+        if not wait:
+            with self._streams_lock:
+                rooms = list(self._streams)
+            for room in rooms:
+                room.fail(WriterError("the Checkpointer was closed with wait=False while this save was staged"))
         self._stager.shutdown(wait=True)
         self._describing.close()
         self.guard.close()
@@ -265,6 +277,9 @@ class Saver:
                         after_copy=self.pool.after_copy,
                         stream_chunk=self.options.chunk_bytes,
                     )
+                    if handle.room is not None:
+                        with self._streams_lock:
+                            self._streams.add(handle.room)
                 except BaseException:
                     self.pool.release(arena)
                     raise
@@ -599,10 +614,13 @@ class Saver:
         if job.arena is not None and not job.progress.released:
             job.progress.released = True
             if job.handle is not None:
-                if job.handle.room is not None:  # a streamed copy waiting for a writer that is done
-                    ended = WriterError(f"the save of step {job.request.step} ended before it was written")
-                    job.handle.room.fail(ended)
+                room = job.handle.room
+                if room is not None:  # a streamed copy waiting for a writer that is done
+                    room.fail(WriterError(f"the save of step {job.request.step} ended before it was written"))
                 job.handle.done.wait()
+                if room is not None:
+                    with self._streams_lock:
+                        self._streams.discard(room)
             self.pool.release(job.arena)
 
     def _commit(self, job: SaveJob, results: Sequence[FileResult], timings: dict[str, float]) -> Manifest:

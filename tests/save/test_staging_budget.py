@@ -9,10 +9,13 @@ Small sizes keep the ring turning many times: 1 MiB chunks through a 4 MiB budge
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
-from conftest import assert_same, staging_dirs, writers_fail, writers_strike
+from conftest import assert_same, staging_dirs, wait_for, writers_fail, writers_strike
 from distributed import run_ranks
 from safetensors.torch import load_file
 
@@ -148,6 +151,31 @@ def test_a_full_disk_mid_stream_is_a_storage_error_naming_the_file_and_nothing_i
         assert arena_bytes(ckpt) == BUDGET
     finally:
         ckpt.close(wait=False)
+
+
+@pytest.mark.timeout(120)
+def test_close_without_wait_stops_a_streamed_copy_that_waits_for_a_stuck_writer(root):
+    """A copy into an arena of its own always ends; a streamed one waits for the writer.  With
+    the writer stopped, ``close(wait=False)`` fails that save instead of letting the copy go on
+    whenever the writer comes back (and commit a save the caller no longer waits for)."""
+    state = big_state()
+    ckpt = ckptd.Checkpointer(root, max_shard_size="5MB", **SMALL)
+    ckpt.save(1, state)
+    pid = ckpt.writer_pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        request = ckpt.async_save(2, big_state(2), staging="background")
+        wait_for(lambda: any(room.waits for room in ckpt._saver._streams))  # the ring is full
+        closer = threading.Thread(target=ckpt.close, kwargs={"wait": False}, daemon=True)
+        closer.start()
+        time.sleep(1.0)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    closer.join(60)
+    assert not closer.is_alive()
+    with pytest.raises(WriterError, match="closed with wait=False"):
+        request.result(30)
+    assert sorted(os.listdir(root)) == ["checkpoint-1"]
 
 
 @pytest.mark.timeout(120)
