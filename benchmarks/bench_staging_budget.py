@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_memory import smaps_rollup  # sibling script
 from bench_save import GIB, MIB, build_state, dump_json, iter_tensors, machine_info, state_bytes  # sibling script
 from floors import CopyFloor, WriteFloor, settle_machine
 
@@ -66,13 +67,9 @@ TARGET_COMMITTED_RATIO = 1.15  # issue 29: committed <= 1.15x the write floor
 def pss(pid: int | str) -> int:
     """Proportional set size of ``pid`` in bytes (0 once it is gone)."""
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
+        return smaps_rollup(pid).get("Pss", 0)
     except OSError:
         return 0
-    return 0
 
 
 class PeakSampler:

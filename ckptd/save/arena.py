@@ -42,7 +42,7 @@ from ..writer.shm import SharedSegment
 from .plan import ARENA_ALIGNMENT, RankPlan
 from .streamed import RingRoom, StreamPart, copy_streamed, stream_parts
 
-__all__ = ["StageHandle", "StagingArena", "StepGuard", "arena_bytes"]
+__all__ = ["StageHandle", "StagingArena", "StepGuard", "arena_bytes", "largest_arena"]
 
 logger = logging.getLogger(__name__)
 
@@ -394,11 +394,16 @@ class StepGuard:
             self._pending.clear()
 
 
+def largest_arena(limit: int) -> int:
+    """The largest arena a budget of ``limit`` bytes allows (whole pages)."""
+    return max(ARENA_ALIGNMENT, limit // ARENA_ALIGNMENT * ARENA_ALIGNMENT)
+
+
 def arena_bytes(size: int, limit: int | None) -> int:
     """The bytes :class:`StagingArena` maps for a plan of ``size`` under the budget ``limit``."""
     aligned = -(-size // _GROWTH_ALIGNMENT) * _GROWTH_ALIGNMENT
     if limit is not None and aligned > limit:
-        aligned = max(ARENA_ALIGNMENT, limit // ARENA_ALIGNMENT * ARENA_ALIGNMENT)
+        aligned = largest_arena(limit)
     return max(aligned, mmap.PAGESIZE)
 
 

@@ -16,8 +16,8 @@ import time
 from ..errors import WriterError
 from ..writer.client import InProcessWriter, WriterClient
 from ..writer.owner import reset_in_fork_child
-from .arena import AfterCopy, StagingArena, arena_bytes
-from .plan import ARENA_ALIGNMENT, RankPlan
+from .arena import AfterCopy, StagingArena, arena_bytes, largest_arena
+from .plan import RankPlan
 
 __all__ = ["StagingPool"]
 
@@ -74,7 +74,7 @@ class StagingPool:
         for arena in free:
             if arena.plan is not None and arena.plan.signature == plan.signature:
                 return arena
-        needed = plan.arena_size if self.budget is None else min(plan.arena_size, self._largest_allowed())
+        needed = plan.arena_size if self.budget is None else min(plan.arena_size, largest_arena(self.budget))
         fitting = [a for a in free if a.size >= needed]
         if fitting:
             return min(fitting, key=lambda a: a.size)
@@ -86,11 +86,6 @@ class StagingPool:
             self.writer.detach_arena(victim.arena_id)
             victim.close()
         return self._create(needed, populate)
-
-    def _largest_allowed(self) -> int:
-        """The largest arena the budget allows (whole pages)."""
-        assert self.budget is not None
-        return max(ARENA_ALIGNMENT, self.budget // ARENA_ALIGNMENT * ARENA_ALIGNMENT)
 
     def _room_for(self, size: int) -> bool:
         if self.budget is None:
