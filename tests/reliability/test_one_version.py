@@ -135,7 +135,15 @@ def _load_loop(root: str, options: dict[str, Any], least_loads: int, started: An
     """Load step 0 in turn in every mode (``LOOP_SECONDS`` at least, then until ``least_loads``
     complete loads have seen ``LEAST_VERSIONS_SEEN`` versions); report counts, and any mixed load."""
     retries = _count_retries()
-    counts: dict[str, Any] = {"loads": 0, "mixed": [], "replaced": 0, "absent": 0, "errors": [], "seen": []}
+    counts: dict[str, Any] = {
+        "loads": 0,
+        "mixed": [],
+        "replaced": 0,
+        "absent": 0,
+        "recovered": 0,
+        "errors": [],
+        "seen": [],
+    }
     modes = ["plain", "verify", "keys", "into"]
     with ckptd.Checkpointer(root, storage_options=options) as ckpt:
         started.set()
@@ -147,6 +155,7 @@ def _load_loop(root: str, options: dict[str, Any], least_loads: int, started: An
 
         while time.monotonic() < start + LOOP_SECONDS or (not enough() and time.monotonic() < start + LOOP_CAP_SECONDS):
             mode = modes[counts["loads"] % len(modes)]
+            retries_before = retries.count
             try:
                 versions = _load(ckpt, mode)
             except CheckpointReplacedError:
@@ -160,6 +169,8 @@ def _load_loop(root: str, options: dict[str, Any], least_loads: int, started: An
                 continue
             finally:
                 counts["loads"] += 1
+            if retries.count > retries_before:
+                counts["recovered"] += 1  # replaced while read, then loaded whole by a retry
             if len(versions) != 1:
                 counts["mixed"].append(f"{mode}: {sorted(versions)}")
             counts["seen"] = sorted(set(counts["seen"]) | versions)
@@ -208,7 +219,11 @@ def _check_loops(counts: dict[str, Any], last: int, least_loads: int, absent: bo
     assert counts["errors"] == [], f"loads that failed: {counts['errors'][:5]}"
     # The overwrites really ran under the loads: the loads saw many of the versions saved.
     assert last >= 5 and len(counts["seen"]) >= LEAST_VERSIONS_SEEN, summary
-    assert counts["replaced"] <= counts["loads"] // 10, summary
+    # The retries are what turns an overwrite under a load into a whole load: some loads were
+    # replaced while read and then completed (none without retries).  A load replaced on every try
+    # is an answer, not a failure, but rare: without retries about a third of the loads are.
+    assert counts["recovered"] >= 1, summary
+    assert counts["replaced"] <= counts["loads"] // 5, summary
     assert absent or counts["absent"] == 0, summary  # locally an overwrite swaps directories: never absent
     assert counts["loads"] - counts["replaced"] - counts["absent"] >= least_loads, summary
 
