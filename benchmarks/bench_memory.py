@@ -66,6 +66,14 @@ def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
     return fields
 
 
+def pss(pid: int | str = "self") -> int:
+    """Proportional set size of ``pid`` in bytes (0 once it is gone)."""
+    try:
+        return smaps_rollup(pid).get("Pss", 0)
+    except OSError:
+        return 0
+
+
 def status_memory(pid: int | str = "self") -> dict[str, int]:
     """``VmRSS`` and ``VmHWM`` (peak RSS) of a process from ``/proc/<pid>/status``, in bytes."""
     out: dict[str, int] = {}

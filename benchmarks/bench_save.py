@@ -114,6 +114,15 @@ class Row:
 # ---- machine and state ---------------------------------------------------------------------
 
 
+def bootstrap_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of ``values`` (percentiles of resampled medians)."""
+    import random
+
+    generator = random.Random(seed)
+    medians = sorted(statistics.median(generator.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def machine_info(bench_dir: str) -> dict[str, Any]:
     """CPU count, RAM, CPU model, versions and the filesystem holding ``bench_dir``."""
     mem_kib = 0
@@ -427,13 +436,16 @@ def bench_ckptd(
     the first one), so every save has its own floor pair.  ``settle`` seconds of
     ``floors.settle_machine`` come before each save's clock starts, as before each floor's write.
     """
-    from floors import settle_machine
+    from floors import cold_copy, settle_machine
 
     import ckptd
 
     run = new_save_run(label)
     if floors is not None:
         run.floors.append(floors.measure())
+        # The cold floor of the first save: the copy into memory no save faulted in yet.
+        run.floors[0]["copy"]["cold"] = cold_copy((t for _, t in iter_tensors(state)), settle)
+        print(f"  floors: cold copy {run.floors[0]['copy']['cold']:.3f} s (fresh mapping)", flush=True)
     settle_machine(settle)
     root = os.path.join(bench_dir, label.replace("[", "-").replace("]", ""))
     started = time.perf_counter()
@@ -465,6 +477,7 @@ def bench_ckptd(
             blocking = time.perf_counter() - call_started
             result = request.result()
             total = time.perf_counter() - started
+            call_total = time.perf_counter() - call_started  # the async_save call to committed
             # CPU seconds of the save: this process (all its threads) and the writer process
             # (from /proc; for the first save, its start-up included).
             cpu = {"trainer": cpu_seconds() - cpu_started, "writer": cpu_seconds(ckpt.writer_pid) - writer_cpu}
@@ -488,6 +501,7 @@ def bench_ckptd(
                     "first": first,
                     "blocking": blocking,
                     "total": total,
+                    "call_total": call_total,
                     "timings": dict(request.timings),
                     "cpu": cpu,
                     **({"constructor": constructed, **writer_ready} if first else {}),

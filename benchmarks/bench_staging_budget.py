@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import random
 import shutil
 import sys
 import tempfile
@@ -52,8 +51,17 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_memory import smaps_rollup  # sibling script
-from bench_save import GIB, MIB, build_state, dump_json, iter_tensors, machine_info, state_bytes  # sibling script
+from bench_memory import pss  # sibling script
+from bench_save import (  # sibling script
+    GIB,
+    MIB,
+    bootstrap_interval,
+    build_state,
+    dump_json,
+    iter_tensors,
+    machine_info,
+    state_bytes,
+)
 from floors import CopyFloor, WriteFloor, settle_machine
 
 import ckptd
@@ -62,14 +70,6 @@ from ckptd.options import parse_size
 SAMPLE_SECONDS = 0.005
 TARGET_EXTRA_SLACK = 64 * MIB  # issue 29: peak extra memory <= budget + 64 MiB
 TARGET_COMMITTED_RATIO = 1.15  # issue 29: committed <= 1.15x the write floor
-
-
-def pss(pid: int | str) -> int:
-    """Proportional set size of ``pid`` in bytes (0 once it is gone)."""
-    try:
-        return smaps_rollup(pid).get("Pss", 0)
-    except OSError:
-        return 0
 
 
 class PeakSampler:
@@ -98,13 +98,6 @@ class PeakSampler:
                 self.peak, self.parts = sum(parts), parts
             if self._stop.wait(SAMPLE_SECONDS):
                 return
-
-
-def bootstrap_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """A 95% bootstrap interval of the median of ``values`` (percentiles of resampled medians)."""
-    generator = random.Random(seed)
-    medians = sorted(median(generator.choices(values, k=len(values))) for _ in range(resamples))
-    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 def timed_save(ckpt: ckptd.Checkpointer, step: int, state: Any, staging: str) -> dict[str, float]:
