@@ -29,7 +29,9 @@ import shlex
 import shutil
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,6 +74,38 @@ def pss(pid: int | str = "self") -> int:
         return smaps_rollup(pid).get("Pss", 0)
     except OSError:
         return 0
+
+
+class PeakSampler:
+    """The highest sum of ``sample()`` (PSS of some processes), sampled on a thread every
+    ``interval`` seconds while the ``with`` block runs; :attr:`parts` is the sample at the peak.
+
+    Reading ``smaps_rollup`` of a large process costs CPU and takes its memory map's lock: keep
+    samplers off timed work."""
+
+    def __init__(self, sample: Callable[[], tuple[int, ...]], interval: float) -> None:
+        self._sample = sample
+        self._interval = interval
+        self.peak = 0
+        self.parts: tuple[int, ...] = ()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            parts = self._sample()
+            if sum(parts) > self.peak:
+                self.peak, self.parts = sum(parts), parts
+            if self._stop.wait(self._interval):
+                return
 
 
 def status_memory(pid: int | str = "self") -> dict[str, int]:

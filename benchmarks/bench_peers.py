@@ -40,7 +40,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -50,7 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_memory import pss
+from bench_memory import PeakSampler, pss
 from bench_save import (
     GIB,
     MIB,
@@ -74,29 +73,6 @@ PROBE_GIB = 1 / 16  # the state saved under strace
 def tree_pss() -> int:
     """PSS of this process and every process it started (writer processes, DCP's daemon)."""
     return pss("self") + sum(pss(child) for child in process_tree())
-
-
-class PeakPss:
-    """The highest :func:`tree_pss`, sampled on a thread while the ``with`` block runs."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> PeakPss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            self.peak = max(self.peak, tree_pss())
-            if self._stop.wait(SAMPLE_SECONDS):
-                return
 
 
 # ---- one peer's results -------------------------------------------------------------------------
@@ -246,7 +222,7 @@ def first_save_child(name: str, gib: float, directory: str) -> dict[str, Any]:
         expected = {c: {k: t.clone() for k, t in tensors.items()} for c, tensors in state.items()}
         base += sum(t.numel() * t.element_size() for c in expected.values() for t in c.values())
         settle_machine(1.0)
-        with PeakPss() as sampler:
+        with PeakSampler(lambda: (tree_pss(),), SAMPLE_SECONDS) as sampler:
             pending = peer.save(2)
             mutate(state)  # the moment the library lets the caller change the tensors
             pending.wait()

@@ -43,7 +43,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from statistics import median
 from typing import Any
@@ -51,7 +50,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_memory import pss  # sibling script
+from bench_memory import PeakSampler, pss  # sibling script
 from bench_save import (  # sibling script
     GIB,
     MIB,
@@ -70,34 +69,6 @@ from ckptd.options import parse_size
 SAMPLE_SECONDS = 0.005
 TARGET_EXTRA_SLACK = 64 * MIB  # issue 29: peak extra memory <= budget + 64 MiB
 TARGET_COMMITTED_RATIO = 1.15  # issue 29: committed <= 1.15x the write floor
-
-
-class PeakSampler:
-    """The highest PSS of this process plus ``writer()``'s, sampled on a thread until stopped."""
-
-    def __init__(self, writer: Any) -> None:
-        self._writer = writer
-        self.peak = 0
-        self.parts = (0, 0)  # the trainer's and the writer's PSS at the peak
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            writer_pid = self._writer()
-            parts = (pss("self"), pss(writer_pid) if writer_pid else 0)
-            if sum(parts) > self.peak:
-                self.peak, self.parts = sum(parts), parts
-            if self._stop.wait(SAMPLE_SECONDS):
-                return
 
 
 def timed_save(ckpt: ckptd.Checkpointer, step: int, state: Any, staging: str) -> dict[str, float]:
@@ -119,7 +90,12 @@ def peak_extra_memory(ckpt: ckptd.Checkpointer, step: int, state: Any, staging: 
     """One more save, untimed, with the PSS sampler on (reading ``smaps_rollup`` of a large
     process costs CPU and takes its memory map's lock: the timed saves run without it)."""
     settle_machine(1.0)
-    with PeakSampler(lambda: ckpt.writer_pid) as sampler:
+
+    def trainer_and_writer() -> tuple[int, int]:
+        writer_pid = ckpt.writer_pid
+        return pss("self"), pss(writer_pid) if writer_pid else 0
+
+    with PeakSampler(trainer_and_writer, SAMPLE_SECONDS) as sampler:
         ckpt.async_save(step, state, staging=staging).result(600)
     trainer, writer = sampler.parts
     print(

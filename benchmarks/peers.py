@@ -17,7 +17,7 @@ import concurrent.futures
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -478,9 +478,3 @@ def process_tree(pid: int | str = "self") -> list[int]:
         out.append(child)
         pending += child_pids(child)
     return out
-
-
-def run_in_thread(fn: Callable[[], None]) -> threading.Thread:
-    thread = threading.Thread(target=fn, daemon=True)
-    thread.start()
-    return thread

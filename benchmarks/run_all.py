@@ -373,6 +373,31 @@ def interference_targets(data: Results) -> list[Target]:
                 None if reference else ratio <= 1.1,
             )
         )
+    rows += commit_under_steps_targets(data)
+    return rows
+
+
+def commit_under_steps_targets(data: Results) -> list[Target]:
+    """I2: each ckptd saver's commit while the steps run, against the interference floor's write
+    under the same step shape (issue 29: a slow commit is not a fix for interference)."""
+    rows: list[Target] = []
+    floors = {
+        json.dumps(r["shape"], sort_keys=True): r for r in data["results"] if r["label"].startswith("write floor")
+    }
+    for result in data["results"]:
+        floor = floors.get(json.dumps(result["shape"], sort_keys=True))
+        if floor is None or result is floor or not result["label"].startswith("ckptd"):
+            continue
+        ours = median([s["seconds_to_done"] for s in result["saves"]])
+        base = median([s["seconds_to_done"] for s in floor["saves"]])
+        rows.append(
+            ratio_target(
+                f"I2. commit while the steps run, {result['label']} (vs the interference floor's write, same steps)",
+                ours,
+                base,
+                1.5,
+            )
+        )
     return rows
 
 
