@@ -17,52 +17,39 @@ import concurrent.futures
 import os
 import shutil
 import threading
-from collections.abc import Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-
-State = dict[str, dict[str, torch.Tensor]]
+from bench_save import State, iter_tensors
 
 
 class PeerUnavailable(Exception):
     """This library cannot run on this machine; the message says why."""
 
 
-class Pending(Protocol):
-    """A save under way: ``done()`` polls, ``wait()`` blocks until the library says it is written."""
+@dataclass(frozen=True)
+class Pending:
+    """A save under way: ``done()`` polls, ``wait()`` blocks until the library says it is written
+    (and raises what the save raised)."""
 
-    def done(self) -> bool: ...
-
-    def wait(self) -> None: ...
-
-
-class Finished:
-    """The pending save of a library whose save returns when it is written."""
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        return None
+    done: Callable[[], bool]
+    wait: Callable[[], Any]
 
 
-class FuturePending:
+FINISHED = Pending(done=lambda: True, wait=lambda: None)
+"""The pending save of a library whose save returns once it is written."""
+
+
+def future_pending(future: Any) -> Pending:
     """A ``concurrent.futures.Future`` (or anything with ``done()`` and ``result()``)."""
-
-    def __init__(self, future: Any) -> None:
-        self.future = future
-
-    def done(self) -> bool:
-        return bool(self.future.done())
-
-    def wait(self) -> None:
-        self.future.result()
+    return Pending(done=future.done, wait=future.result)
 
 
 def flat(state: State) -> dict[str, torch.Tensor]:
-    """``{"component.key": tensor}``: the flat form safetensors and torch.save take here."""
-    return {f"{component}.{key}": t for component, tensors in state.items() for key, t in tensors.items()}
+    """``{"component.key": tensor}``: the flat form safetensors and ByteCheckpoint take here."""
+    return dict(iter_tensors(state))
 
 
 def files_under(path: str) -> Iterator[str]:
@@ -137,7 +124,7 @@ class CkptdPeer(Peer):
         return self.checkpointer.path_for(step)
 
     def save(self, step: int) -> Pending:
-        return FuturePending(self.checkpointer.async_save(step, self.state))
+        return future_pending(self.checkpointer.async_save(step, self.state))
 
     def load_into(self, step: int) -> None:
         self.checkpointer.load(step, into=self.state)
@@ -190,7 +177,7 @@ class DcpPeer(Peer):
         staging = getattr(response, "staging_completion", None)
         if staging is not None:  # an asynchronous stager: the state may change once it is done
             staging.result()
-        return FuturePending(dcp_upload_future(response))
+        return future_pending(dcp_upload_future(response))
 
     def load_into(self, step: int) -> None:
         import torch.distributed.checkpoint as dcp
@@ -244,7 +231,7 @@ class TorchSaveThreadPeer(Peer):
     def save(self, step: int) -> Pending:
         os.makedirs(self.directory, exist_ok=True)
         clones = {c: {k: t.clone() for k, t in tensors.items()} for c, tensors in self.state.items()}
-        return FuturePending(self.executor.submit(torch.save, clones, self.path(step)))
+        return future_pending(self.executor.submit(torch.save, clones, self.path(step)))
 
     def load_into(self, step: int) -> None:
         loaded = torch.load(self.path(step), weights_only=True, mmap=True)
@@ -275,7 +262,7 @@ class SafetensorsPeer(Peer):
 
         os.makedirs(self.directory, exist_ok=True)
         save_file(flat(self.state), self.path(step))
-        return Finished()
+        return FINISHED
 
     def load_into(self, step: int) -> None:
         from safetensors import safe_open
@@ -319,7 +306,7 @@ class TorchCheckpointingPeer(Peer):
         future = self.manager.save(self.path(step), self.state)
         with self.manager.lock():  # returns once the copy ended: tensors may change from here on
             pass
-        return FuturePending(future)
+        return future_pending(future)
 
     def load_into(self, step: int) -> None:
         self.manager.load(self.path(step), into=self.state)
@@ -345,23 +332,12 @@ class TorchSnapshotPeer(Peer):
         from torchsnapshot import Snapshot
 
         pending = Snapshot.async_take(path=self.path(step), app_state=self.app_state())
-        return SnapshotPending(pending)
+        return Pending(done=pending.done, wait=pending.wait)
 
     def load_into(self, step: int) -> None:
         from torchsnapshot import Snapshot
 
         Snapshot(self.path(step)).restore(app_state=self.app_state())
-
-
-class SnapshotPending:
-    def __init__(self, pending: Any) -> None:
-        self.pending = pending
-
-    def done(self) -> bool:
-        return bool(self.pending.done())
-
-    def wait(self) -> None:
-        self.pending.wait()
 
 
 class _StatefulTensors:
@@ -378,18 +354,6 @@ class _StatefulTensors:
         for key, value in loaded.items():
             if value is not self.tensors[key]:
                 self.tensors[key].copy_(value)
-
-
-class EventPending:
-    def __init__(self, event: threading.Event) -> None:
-        self.event = event
-
-    def done(self) -> bool:
-        return self.event.is_set()
-
-    def wait(self) -> None:
-        if not self.event.wait(1200):
-            raise TimeoutError("the save's completion callback never came")
 
 
 class ByteCheckpointPeer(Peer):
@@ -421,7 +385,12 @@ class ByteCheckpointPeer(Peer):
             global_steps=step,
             callback=done.set,
         )
-        return EventPending(done)
+
+        def wait() -> None:
+            if not done.wait(1200):
+                raise TimeoutError("ByteCheckpoint's completion callback never came")
+
+        return Pending(done=done.is_set, wait=wait)
 
     def load_into(self, step: int) -> None:
         import bytecheckpoint
