@@ -127,20 +127,17 @@ def timed_load(peer: Peer, step: int, settle: float) -> float:
 
 
 def save_under_steps(peer: Peer, step: int, loop: Any, result: PeerResult) -> None:
-    """Steps without a save, then one save with steps run until it commits."""
-    loop.on_step = getattr(peer, "on_step", None)
-    try:
-        result.steps_before += [loop.step() for _ in range(BASELINE_STEPS)]
-        started = time.perf_counter()
-        pending = peer.save(step)
-        steps = []
-        while not pending.done():
-            steps.append(loop.step())
-        pending.wait()
-        result.commit_with_steps.append(time.perf_counter() - started)
-        result.steps_during += steps
-    finally:
-        loop.on_step = None
+    """Steps without a save, then one save with steps run until it commits.  The loop has no torch
+    optimizer and calls no ``mark_step``: ckptd's adaptive throttle sees no steps here."""
+    result.steps_before += [loop.step() for _ in range(BASELINE_STEPS)]
+    started = time.perf_counter()
+    pending = peer.save(step)
+    steps = []
+    while not pending.done():
+        steps.append(loop.step())
+    pending.wait()
+    result.commit_with_steps.append(time.perf_counter() - started)
+    result.steps_during += steps
 
 
 def run_rounds(peers: list[Peer], results: dict[str, PeerResult], state: State, args: argparse.Namespace) -> None:
