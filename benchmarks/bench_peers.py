@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_memory import PeakSampler, pss
+from bench_memory import PeakSampler, tree_pss
 from bench_save import (
     GIB,
     MIB,
@@ -62,17 +62,12 @@ from bench_save import (
     state_bytes,
 )
 from floors import CopyFloor, WriteFloor, cold_copy, drop_from_page_cache, settle_machine
-from peers import PEERS, Peer, PeerUnavailable, files_under, import_modules, process_tree
+from peers import PEERS, Peer, PeerUnavailable, files_under, import_modules
 
 SAMPLE_SECONDS = 0.01
 BASELINE_STEPS = 10
 SYNC_CALLS = ("fsync", "fdatasync", "sync_file_range", "syncfs", "msync")
 PROBE_GIB = 1 / 16  # the state saved under strace
-
-
-def tree_pss() -> int:
-    """PSS of this process and every process it started (writer processes, DCP's daemon)."""
-    return pss("self") + sum(pss(child) for child in process_tree())
 
 
 # ---- one peer's results -------------------------------------------------------------------------

@@ -419,31 +419,3 @@ PEERS: dict[str, type[Peer]] = {
         SafetensorsPeer,
     )
 }
-
-
-def child_pids(pid: int | str = "self") -> list[int]:
-    """The direct children of ``pid`` (every thread's), from ``/proc/PID/task/*/children``."""
-    base = f"/proc/{pid}/task"
-    out: list[int] = []
-    try:
-        tasks = os.listdir(base)
-    except OSError:
-        return out
-    for task in tasks:
-        try:
-            with open(os.path.join(base, task, "children")) as f:
-                out += [int(p) for p in f.read().split()]
-        except OSError:
-            continue
-    return out
-
-
-def process_tree(pid: int | str = "self") -> list[int]:
-    """``pid``'s descendants (children, their children, ...)."""
-    out: list[int] = []
-    pending = child_pids(pid)
-    while pending:
-        child = pending.pop()
-        out.append(child)
-        pending += child_pids(child)
-    return out
