@@ -1,8 +1,12 @@
 """The torch.distributed seam: who we are, the collectives of a save, and the c10d store.
 
 Planning runs on the caller's thread, inside ``async_save``, where a collective is safe: every
-rank sends a small brief to the coordinator (``gather_object``) and receives only its own part of
-the plan back (``scatter_object_list``), on a CPU (gloo) group.  Everything after that (waiting
+rank sends a small brief to the coordinator (:meth:`DistContext.gather`) and receives only its own
+part of the plan back (:meth:`DistContext.scatter`), on a CPU (gloo) group.  Both send each
+rank's pickled bytes at their exact size, point to point after a collective of the sizes:
+torch's ``gather_object``/``scatter_object_list`` pad every rank's bytes to the largest, which
+at 16,384 ranks turns one 150 KB plan into 2.4 GB on the coordinator, and a part shared by many
+ranks is held once.  Everything after that (waiting
 for other ranks' writes, the commit, failures) happens on background threads and must not issue
 collectives on the training group, so it goes through the c10d key-value store with per-save
 keys and deadlines instead.  :attr:`DistContext.traffic` counts what this rank sent and received
@@ -15,11 +19,13 @@ import json
 import logging
 import pickle
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, DistributedSaveError
@@ -138,37 +144,70 @@ class DistContext:
     def gather(self, payload: Any) -> list[Any] | None:
         """Every rank's ``payload`` in rank order on the coordinator; ``None`` on the others."""
         data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
-        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        coordinator = self.coordinator
         try:
-            dist.gather_object(data, out, dst=self._global(self.coordinator), group=self.group)
+            size = torch.tensor([len(data)], dtype=torch.int64)
+            sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self.world_size)] if self.is_coordinator else None
+            dist.gather(size, sizes, group=self.group, group_dst=coordinator)
+            if not self.is_coordinator:
+                dist.send(_as_tensor(data), group=self.group, group_dst=coordinator)
+                self._count(len(data), 0)
+                return None
+            assert sizes is not None
+            buffers: list[Any] = []
+            works = []
+            for rank, n in enumerate(sizes):
+                if rank == self.rank:
+                    buffers.append(data)
+                    continue
+                buffer = torch.empty(int(n.item()), dtype=torch.uint8)
+                works.append(dist.irecv(buffer, group=self.group, group_src=rank))
+                buffers.append(buffer)
+            for work in works:
+                if work is not None:
+                    work.wait()
         except Exception as e:
             raise self._collective_failed(e) from e
-        if out is None:
-            self._count(len(data), 0)
-            return None
-        self._count(len(data), sum(len(b) for i, b in enumerate(out) if i != self.rank))
-        return [pickle.loads(b) for b in out]
+        received = sum(b.numel() for i, b in enumerate(buffers) if i != self.rank)
+        self._count(len(data), received)
+        return [pickle.loads(b if isinstance(b, bytes) else _as_bytes(b)) for b in buffers]
 
     def scatter(self, parts: list[Any] | None) -> Any:
-        """This rank's item of the coordinator's ``parts`` (one per rank; ``None`` elsewhere)."""
-        sent = 0
-        data = None
-        if self.is_coordinator:
+        """This rank's item of the coordinator's ``parts`` (one per rank; ``None`` elsewhere).  A
+        part given for many ranks (the same object) is pickled and held once."""
+        coordinator = self.coordinator
+        try:
+            size = torch.empty(1, dtype=torch.int64)
+            if not self.is_coordinator:
+                dist.scatter(size, None, group=self.group, group_src=coordinator)
+                buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+                dist.recv(buffer, group=self.group, group_src=coordinator)
+                self._count(0, buffer.numel())
+                return pickle.loads(_as_bytes(buffer))
             if parts is None or len(parts) != self.world_size:
                 raise ValueError("the coordinator scatters exactly one part per rank")
-            pickled: dict[int, bytes] = {}  # by id: a part given for many ranks is pickled once
-            data = [
-                pickled.get(id(p)) or pickled.setdefault(id(p), pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL))
-                for p in parts
+            pickled: dict[int, tuple[bytes, Any]] = {}  # by id: a part given for many ranks is pickled once
+            for p in parts:
+                if id(p) not in pickled:
+                    data = pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)
+                    pickled[id(p)] = (data, _as_tensor(data))
+            sizes = [torch.tensor([len(pickled[id(p)][0])], dtype=torch.int64) for p in parts]
+            dist.scatter(size, sizes, group=self.group, group_src=coordinator)
+            works = [
+                dist.isend(pickled[id(p)][1], group=self.group, group_dst=rank)
+                for rank, p in enumerate(parts)
+                if rank != self.rank
             ]
-            sent = sum(len(b) for i, b in enumerate(data) if i != self.rank)
-        out: list[Any] = [None]
-        try:
-            dist.scatter_object_list(out, data, src=self._global(self.coordinator), group=self.group)
+            for work in works:
+                if work is not None:
+                    work.wait()
+        except ValueError:
+            raise
         except Exception as e:
             raise self._collective_failed(e) from e
-        self._count(sent, 0 if self.is_coordinator else len(out[0]))
-        return pickle.loads(out[0])
+        sent = sum(len(pickled[id(p)][0]) for rank, p in enumerate(parts) if rank != self.rank)
+        self._count(sent, 0)
+        return pickle.loads(pickled[id(parts[self.rank])][0])
 
     def _count(self, sent: int, received: int) -> None:
         self.traffic.collectives += 1
@@ -249,3 +288,16 @@ def group_leaders(sharing: Mapping[str, Any] | None) -> dict[str, int]:
         if pattern == Sharing.PER_GROUP:
             leaders[name] = group_leader(group)
     return leaders
+
+
+def _as_tensor(data: bytes) -> Any:
+    """``data`` as a uint8 tensor to send, without a copy (it is only read: torch's warning
+    about a read-only buffer does not apply)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def _as_bytes(tensor: Any) -> memoryview:
+    """A received uint8 tensor's bytes, without a copy."""
+    return memoryview(tensor.numpy()).cast("B")
