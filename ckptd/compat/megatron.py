@@ -69,6 +69,8 @@ __all__ = [
     "SaveStrategy",  # noqa: F822 - lazy (module __getattr__): needs megatron-core
     "ShardedTensorFactory",
     "TensorInfo",
+    "get_default_load_sharded_strategy",
+    "get_default_save_sharded_strategy",
     "get_param_id_to_sharded_param_map",
     "load",
     "load_common_state_dict",
@@ -378,6 +380,22 @@ def remove_sharded_tensors(checkpoint_dir: str | os.PathLike[str], key_prefix: s
 
 
 _STRATEGY_NAMES = ("SaveStrategy", "LoadStrategy", "register_strategies")
+
+
+def get_default_save_sharded_strategy(backend: str = CKPTD_BACKEND) -> Any:
+    """Megatron-Core 0.19's factory, here giving ckptd's :class:`SaveStrategy` (needs
+    megatron-core).  ``backend`` is the one ``metadata.json`` records: only ckptd's is accepted
+    (:class:`~ckptd.errors.ConfigError` otherwise; Megatron's ``torch_dist`` strategy comes from
+    ``megatron.core``'s own factory)."""
+    return __getattr__("SaveStrategy")(backend)
+
+
+def get_default_load_sharded_strategy(checkpoint_dir: str | os.PathLike[str] | None = None) -> Any:
+    """Megatron-Core 0.19's factory, here giving ckptd's :class:`LoadStrategy` (needs
+    megatron-core), which reads checkpoints saved through :class:`SaveStrategy` and Megatron's
+    own ``torch_dist`` ones; ``checkpoint_dir`` is accepted (the strategy reads the directory it
+    is given at load time)."""
+    return __getattr__("LoadStrategy")()
 
 
 def __getattr__(name: str) -> Any:

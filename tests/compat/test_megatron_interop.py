@@ -246,6 +246,15 @@ def test_strategies_subclass_megatrons_and_check_the_backend():
         load.check_version_compatibility(2)
 
 
+def test_the_default_strategy_factories_of_megatron_019_give_ckptds_strategies(tmp_path):
+    """0.19's ``get_default_{save,load}_sharded_strategy`` names give ckptd's strategies."""
+    save = mcore.get_default_save_sharded_strategy()
+    load = mcore.get_default_load_sharded_strategy(str(tmp_path))
+    assert type(save) is mcore.SaveStrategy and type(load) is mcore.LoadStrategy
+    with pytest.raises(ConfigError, match="torch_dist"):
+        mcore.get_default_save_sharded_strategy("torch_dist")
+
+
 # ---- Megatron's ShardedTensor arguments ---------------------------------------------------------
 
 
