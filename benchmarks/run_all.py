@@ -25,6 +25,9 @@ reported beside them and labelled so.
 * B: ``bench_staging_budget.py``: a 2 GiB state through ``staging_memory="256MiB"`` (``--quick``:
   256 MiB through 64 MiB): peak extra memory vs the budget + 64 MiB, committed vs the write floor,
   blocking as it is, and the same save without a budget for reference;
+* C: ``bench_coordination.py`` (simulated ranks, no I/O): FSDP2 and HSDP mixes at 16,384 ranks x
+  1,000 tensors: first-save coordination < 2 s and < 200 MB traced on the coordinator, cached
+  saves < 0.5 s, the manifest the same size at every world size;
 * P: ``bench_peers.py``: ckptd beside DCP, torch_checkpointing, torchsnapshot, ByteCheckpoint,
   ``torch.save`` and safetensors (reference rows: the peers installed by
   ``benchmarks/install_peers.sh``; one that is missing is a row saying why), and ckptd's
@@ -91,6 +94,8 @@ class Target:
 
 def script_argv(name: str, args: argparse.Namespace) -> list[str]:
     """The command-line arguments of benchmark ``name`` (``--json`` is added by the caller)."""
+    if name == "coordination":  # no I/O, seconds: the same in quick and full runs
+        return ["--mix", "fsdp,hsdp", "--tensors", "1000", "--worlds", "8,64,512,4096,16384"]
     common = ["--dir", args.dir]
     if name == "s3":
         quick = ["--quick"] if args.quick else []
@@ -123,6 +128,7 @@ SCRIPTS = {
     "scaling": "bench_scaling.py",
     "budget": "bench_staging_budget.py",
     "peers": "bench_peers.py",
+    "coordination": "bench_coordination.py",
 }
 
 
@@ -744,6 +750,54 @@ def peer_targets(data: Results) -> list[Target]:
     return rows
 
 
+def coordination_targets(data: Results) -> list[Target]:
+    """``bench_coordination.py``: the FSDP2/HSDP targets of the largest simulated world."""
+    rows = []
+    for mix, result in data["mixes"].items():
+        measures = result["measures"]
+        largest = max(m["world"] for m in measures)
+        first = next(m for m in measures if m["world"] == largest and m["phase"] == "first")
+        cached = next(m for m in measures if m["world"] == largest and m["phase"] == "cached")
+        where = f"{mix}, {largest:,} ranks x {data['tensors']:,} tensors"
+        manifests = [m["manifest_bytes"] for m in measures if m["phase"] == "cached"]
+        spread = max(manifests) - min(manifests)  # the digits of the world size differ
+        rows += [
+            Target(
+                f"C1. {where}: first-save coordination",
+                f"{first['plan_seconds']:.2f} s",
+                "-",
+                "-",
+                "< 2 s",
+                first["plan_seconds"] < 2,
+            ),
+            Target(
+                f"C2. {where}: coordinator planning memory (tracemalloc peak)",
+                f"{first['plan_peak'] / MIB:.0f} MiB",
+                "-",
+                "-",
+                "< 200 MB",
+                first["plan_peak"] < 200e6,
+            ),
+            Target(
+                f"C3. {where}: cached save's coordination",
+                f"{cached['plan_seconds']:.2f} s",
+                "-",
+                "-",
+                "< 0.5 s",
+                cached["plan_seconds"] < 0.5,
+            ),
+            Target(
+                f"C4. {mix}: manifest size from 8 to {largest:,} ranks",
+                f"{min(manifests):,}-{max(manifests):,} bytes",
+                "-",
+                f"+{spread} bytes",
+                "independent of W (± 16 bytes)",
+                spread <= 16,
+            ),
+        ]
+    return rows
+
+
 TARGETS: dict[str, Callable[[Results], list[Target]]] = {
     "save": save_targets,
     "interference": interference_targets,
@@ -753,6 +807,7 @@ TARGETS: dict[str, Callable[[Results], list[Target]]] = {
     "scaling": scaling_targets,
     "budget": budget_targets,
     "peers": peer_targets,
+    "coordination": coordination_targets,
 }
 
 

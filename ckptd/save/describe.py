@@ -19,12 +19,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..dist.grid import Grid
 from ..dist.group import DistContext, Sharing, group_leader, normalize_sharing, rank_failure
 from ..errors import CheckpointExistsError, CkptdError, ConfigError
 from ..formats.names import staging_dir_name
 from ..formats.torch_dtypes import TORCH_DTYPES, dtype_name
 from ..storage import Storage
-from .flatten import FlatComponent, flatten_component
+from .flatten import FlatComponent, Placement, flatten_component
 from .plan import LocalTensor
 
 __all__ = ["Describer", "Payload", "planning_failure"]
@@ -44,6 +45,7 @@ class Payload:
     staging: str = ""
     last_committed: str | None = None  # the save an incremental save may reuse files of
     error: tuple[str, str] | None = None  # (exception type name, message)
+    coordinates: tuple[tuple[int, ...], ...] = ()  # this rank's place in each mesh its grids number
 
 
 class Describer:
@@ -101,8 +103,13 @@ class Describer:
         tied: dict[str, list[list[str]]] = {}
         sharing: dict[str, str] = {}
         described: dict[str, list[LocalTensor]] = {}
+        # Symbolic descriptions (grids) where several ranks may write one file: a row-sharded
+        # DTensor is then one entry every rank writes its rows of (object stores store chunks).
+        meshes: dict[Any, tuple[int, ...]] | None = None
+        if self.dist is not None and self.dist.world_size > 1 and self.storage.local:
+            meshes = {}
         for flat in flats:
-            descriptions = _describe(flat, self._described.get(flat.name))
+            descriptions = _describe(flat, self._described.get(flat.name), meshes)
             described[flat.name] = descriptions
             locals_.extend(descriptions)
             qualified = "@" in flat.name
@@ -115,12 +122,21 @@ class Describer:
         staging = ""
         if self.is_coordinator and self.storage.local:
             staging = self.storage.join(self.root, staging_dir_name(step))
-        return Payload(self.rank, tuple(locals_), trees, tied, sharing, token, staging, last_committed)
+        coordinates = tuple(meshes.values()) if meshes else ()
+        return Payload(
+            self.rank, tuple(locals_), trees, tied, sharing, token, staging, last_committed, coordinates=coordinates
+        )
 
 
-def _describe(flat: FlatComponent, previous: list[LocalTensor] | None = None) -> list[LocalTensor]:
+def _describe(
+    flat: FlatComponent,
+    previous: list[LocalTensor] | None = None,
+    meshes: dict[Any, tuple[int, ...]] | None = None,
+) -> list[LocalTensor]:
     """A :class:`LocalTensor` per tensor of ``flat``: the ``previous`` save's ones when they still
-    describe it (see :func:`_unchanged`), so a warm save builds no new objects per tensor."""
+    describe it (see :func:`_unchanged`), so a warm save builds no new objects per tensor.  With
+    ``meshes`` (mesh -> this rank's coordinate, filled in order of first use), DTensors placed by
+    ``Shard``/``Replicate`` get a :class:`~ckptd.dist.sharding.Grid`."""
     if previous is not None and _unchanged(flat, previous):
         return previous
     out = []
@@ -141,9 +157,24 @@ def _describe(flat: FlatComponent, previous: list[LocalTensor] | None = None) ->
                     sharded=True,
                     main=placement.main,
                     frozen=key in flat.frozen,  # FSDP/TP pieces of a frozen base: linked by incremental saves
+                    grid=_grid(placement, meshes),
                 )
             )
     return out
+
+
+def _grid(placement: Placement, meshes: dict[Any, tuple[int, ...]] | None) -> Grid | None:
+    """The placement's grid, its mesh numbered in ``meshes`` (None: no grids, no mesh, or pieces
+    that are not row blocks: those keep explicit boxes)."""
+    if meshes is None or placement.mesh is None:
+        return None
+    grid = Grid(placement.mesh_shape, placement.shard_dims)
+    if not grid.rows_only:
+        return None
+    known = meshes.setdefault(placement.mesh, placement.coordinate)
+    if known != placement.coordinate:  # equal meshes, different coordinates: not one mesh after all
+        return None
+    return Grid(grid.mesh_shape, grid.shard_dims, list(meshes).index(placement.mesh))
 
 
 def _unchanged(flat: FlatComponent, previous: list[LocalTensor]) -> bool:

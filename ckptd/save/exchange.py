@@ -40,7 +40,7 @@ from ..errors import CkptdError, DistributedSaveError
 from .describe import Payload, planning_failure
 from .incremental import Reuse, ReusedFile
 from .plan import LocalTensor, RankPlan, SavePlan
-from .plan_unique import Layout, plan_unique
+from .plan_unique import ClassPlan, Coordinates, Layout, derive_rank_plan, plan_unique
 
 __all__ = ["Assignment", "Brief", "Exchange", "PlanBook", "Planned", "layout_digest", "layout_of", "planned_alone"]
 
@@ -48,10 +48,14 @@ _NO_REUSE = Reuse({}, {})
 
 
 def layout_digest(tensors: Sequence[LocalTensor]) -> bytes:
-    """A 16-byte digest of everything about ``tensors`` that the plan depends on."""
+    """A 16-byte digest of everything about ``tensors`` that the plan depends on (for a grid
+    tensor, its grid instead of this rank's piece: the same on every rank of the mesh)."""
     encoded = "\n".join(
         f"{t.component}\0{t.key}\0{t.dtype}\0{t.global_shape}\0{t.offset}\0{t.shape}\0"
         f"{int(t.sharded)}{int(t.main)}{int(t.frozen)}"
+        if t.grid is None
+        else f"{t.component}\0{t.key}\0{t.dtype}\0{t.global_shape}\0grid{t.grid.mesh}\0"
+        f"{t.grid.mesh_shape}\0{t.grid.shard_dims}\0{int(t.frozen)}"
         for t in tensors
     )
     return hashlib.blake2b(encoded.encode(), digest_size=16).digest()
@@ -84,6 +88,7 @@ class Brief:
     last_committed: str | None = None
     held: bytes = b""  # the id of the plan this rank holds its RankPlan of
     error: tuple[str, str] | None = None
+    coordinates: tuple[tuple[int, ...], ...] = ()  # its place in each mesh its grid tensors number
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,7 @@ class Assignment:
     send: tuple[bytes, ...] = ()  # step 4: the digests this rank must describe
     more: bool = False  # a second round follows (every rank takes part)
     rank_plan: RankPlan | None = None  # None: keep the one held (plan ``plan_id``)
+    class_plan: ClassPlan | None = None  # derive the RankPlan from it (grid tensors)
     plan_id: bytes = b""
     key: str = ""
     staging: str = ""
@@ -152,14 +158,16 @@ class PlanBook:
                 raise DistributedSaveError(f"a rank described layout {digest.hex()} inconsistently")
             self.descriptions[digest] = tuple(tensors)
 
-    def plan_for(self, layouts: Sequence[Layout]) -> SavePlan:
-        """The plan of ``layouts`` (every digest known): the cached one if they are unchanged."""
+    def plan_for(self, layouts: Sequence[Layout], coordinates: Sequence[Coordinates] = ()) -> SavePlan:
+        """The plan of ``layouts`` (every digest known) with the ranks at ``coordinates`` in the
+        meshes of their grid tensors: the cached one if both are unchanged."""
         hasher = hashlib.blake2b(repr(self.options).encode(), digest_size=16)
         for layout in layouts:
             for component, digest in layout:
                 hasher.update(component.encode())
                 hasher.update(digest)
             hasher.update(b"\n")
+        hasher.update(repr(coordinates).encode())
         plan_id = hasher.digest()
         if self.plan is not None and plan_id == self.plan_id:
             return self.plan
@@ -172,6 +180,7 @@ class PlanBook:
             separate_frozen=separate_frozen,
             key_layout=key_layout,
             signature=(plan_id,),
+            coordinates=coordinates,
         )
         self.plan_id = plan_id
         self.plans_made += 1
@@ -190,8 +199,32 @@ class PlanBook:
             raise RuntimeError("assignments() before plan_for()")
         out = []
         shared: Assignment | None = None  # the answer of every rank that holds its plan and reuses nothing
-        for brief, rank_plan in zip(briefs, plan.ranks, strict=True):
+        by_class: dict[int, Assignment] = {}  # one answer per class plan: the scatter pickles it once
+        class_plans = plan.class_plans or (None,) * len(briefs)
+        for brief, rank_plan, class_plan in zip(briefs, plan.ranks, class_plans, strict=True):
             reused, hashed = _reuse_of(rank_plan, reuse)
+            if class_plan is not None and brief.held != self.plan_id:
+                answer = by_class.get(id(class_plan))
+                if answer is None:
+                    answer = by_class[id(class_plan)] = Assignment(
+                        class_plan=class_plan,
+                        plan_id=self.plan_id,
+                        key=key,
+                        staging=staging,
+                        reused=reused,
+                        hashed=hashed,
+                    )
+                if answer.reused != reused or answer.hashed != hashed:  # it reuses files of its own
+                    answer = Assignment(
+                        class_plan=class_plan,
+                        plan_id=self.plan_id,
+                        key=key,
+                        staging=staging,
+                        reused=reused,
+                        hashed=hashed,
+                    )
+                out.append(answer)
+                continue
             if brief.held == self.plan_id and not reused and not hashed:
                 if shared is None:
                     shared = Assignment(plan_id=self.plan_id, key=key, staging=staging)
@@ -242,7 +275,14 @@ class Exchange:
             payload = describe()
             layout, descriptions = layout_of(payload.locals)
             brief = Brief(
-                dist.rank, layout, payload.trees, payload.tied, payload.sharing, payload.last_committed, self.plan_id
+                dist.rank,
+                layout,
+                payload.trees,
+                payload.tied,
+                payload.sharing,
+                payload.last_committed,
+                self.plan_id,
+                coordinates=payload.coordinates,
             )
         except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised below
             own_error = e
@@ -260,6 +300,9 @@ class Exchange:
         self._raise_failures(answer, own_error)
         if answer.rank_plan is not None:
             self.rank_plan, self.plan_id = answer.rank_plan, answer.plan_id
+        elif answer.class_plan is not None and payload is not None:
+            self.rank_plan = derive_rank_plan(answer.class_plan, dist.rank, payload.locals)
+            self.plan_id = answer.plan_id
         if self.rank_plan is None or self.plan_id != answer.plan_id:
             raise DistributedSaveError(f"rank {dist.rank} holds no plan {answer.plan_id.hex()}", [dist.rank])
         reuse = Reuse(answer.reused, answer.hashed)
@@ -303,7 +346,7 @@ class Exchange:
         self, briefs: list[Brief], payload: Payload | None, select: Callable[..., Reuse] | None
     ) -> list[Assignment]:
         try:
-            plan = self.book.plan_for([b.layout for b in briefs])
+            plan = self.book.plan_for([b.layout for b in briefs], [b.coordinates for b in briefs])
             self._reuse = select(plan, [b.last_committed for b in briefs]) if select else _NO_REUSE
         except Exception as e:  # noqa: BLE001 - every rank raises it (the coordinator its own)
             self._planning_error = e

@@ -30,8 +30,9 @@ import math
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Final, NamedTuple
+from typing import TYPE_CHECKING, Final, NamedTuple
 
+from ..dist.grid import Grid
 from ..dist.sharding import Box, ChunkInfo, validate_sharding
 from ..errors import ConfigError, ShardingError
 from ..formats.manifest import ChunkRecord, TensorRecord, zero_offset
@@ -39,6 +40,9 @@ from ..formats.names import shard_file_name, spread_file_name
 from ..formats.safetensors import DTYPE_ITEMSIZE
 from ..options import KEY_LAYOUTS
 from .layout import WriteItem, bucket_items, buckets, describe_tensors, file_offsets, plan_file
+
+if TYPE_CHECKING:
+    from .plan_unique import ClassPlan
 
 __all__ = [
     "ARENA_ALIGNMENT",
@@ -64,7 +68,10 @@ class LocalTensor:
 
     ``offset``/``shape`` place the local piece in the global tensor; ``sharded`` is True for
     pieces of sharded tensors (DTensor / :class:`~ckptd.ShardedTensor`), ``main`` False for
-    replicas that must not be written.
+    replicas that must not be written.  ``grid`` (DTensors on shared-file storage) says the
+    tensor's layout on every rank of its mesh: the description is then the same on all of them
+    but for ``offset``/``shape``/``main``, which stay this rank's own and are left out of the
+    layout digest (see :mod:`~ckptd.save.exchange`).
     """
 
     component: str
@@ -76,6 +83,7 @@ class LocalTensor:
     sharded: bool = False
     main: bool = True
     frozen: bool = False
+    grid: Grid | None = None
 
     @property
     def nbytes(self) -> int:
@@ -102,6 +110,7 @@ class LocalTensor:
             sharded=False,
             main=True,
             frozen=frozen,
+            grid=None,
         )
         return record
 
@@ -159,13 +168,19 @@ class FilePlan:
 
 @dataclass(frozen=True)
 class SavePlan:
-    """The plan of one save across all ranks."""
+    """The plan of one save across all ranks.
+
+    ``class_plans[r]``, when set, is the :class:`~ckptd.save.plan_unique.ClassPlan` rank ``r``
+    derives its own plan from (symbolic grid descriptions); ``ranks[r]`` is then only a stand-in
+    listing the pieces of its class.  Empty when every rank's plan is in ``ranks``.
+    """
 
     world_size: int
     files: tuple[FilePlan, ...]
     ranks: tuple[RankPlan, ...]
     tensors: dict[str, dict[str, TensorRecord]] = field(default_factory=dict)
     signature: tuple[object, ...] = ()
+    class_plans: tuple[ClassPlan | None, ...] = ()
 
 
 # ---- the global plan ----------------------------------------------------------------------------
@@ -427,15 +442,20 @@ def _general_entries(tensor: _Logical, i: int, nbytes: int, owners: list[int], w
     or one entry per main piece (chunks)."""
     key, dtype, itemsize = tensor.key, tensor.dtype, DTYPE_ITEMSIZE[tensor.dtype]
     pairs = zip(tensor.holder_ranks, tensor.holders, strict=True)
+    # Empty pieces (FSDP2 gives ranks past the last row none) are not stored: an entry or write
+    # of zero bytes would sit inside another piece's bytes.  A tensor without elements keeps one.
     if tensor.layout == "chunks":
-        return [
+        chunks: list[_Entry] = [
             (_chunk_key(key, piece), dtype, piece.shape, piece.nbytes, itemsize, rank, piece, None, i, key)
             for rank, piece in pairs
-            if piece.main
+            if piece.main and (piece.nbytes or not nbytes)
         ]
+        return chunks if nbytes else chunks[:1]
     if tensor.layout == "rows":
         row = math.prod(tensor.shape[1:]) * itemsize
-        writers = tuple((rank, piece.offset[0] * row, piece.nbytes, piece) for rank, piece in pairs if piece.main)
+        writers = tuple(
+            (rank, piece.offset[0] * row, piece.nbytes, piece) for rank, piece in pairs if piece.main and piece.nbytes
+        )
         first_writer = writers[0][0] if writers else 0
         return [(tensor.key, dtype, tensor.shape, nbytes, itemsize, first_writer, None, writers, i, None)]
     owner = owners[i] if owners else 0

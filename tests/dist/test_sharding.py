@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-from ckptd.formats.checksum import crc32c, crc32c_combine
 from ckptd.dist.group import Sharing, normalize_sharing
-from ckptd.errors import ConfigError, ShardingError
 from ckptd.dist.sharding import Box, ChunkInfo, ShardedTensor, intersect, paired_runs, validate_sharding
+from ckptd.errors import ConfigError, ShardingError
+from ckptd.formats.checksum import crc32c, crc32c_combine
 
 
 def test_from_rank_offsets_matches_megatron_semantics():
@@ -66,6 +66,12 @@ def test_validate_sharding_accepts_exact_covers_and_ignores_replicas():
     [
         ([chunk(0, (0, 0), (2, 4))], r"cover 8 of 16 elements; element \[2, 0\]"),
         ([chunk(0, (0, 0), (3, 4)), chunk(1, (2, 0), (2, 4))], "rank 0 and rank 1 overlap at offset"),
+        # a long piece overlapping one several pieces later (the sweep must still compare them)
+        (
+            [chunk(0, (0, 0), (4, 1)), chunk(1, (0, 1), (1, 3)), chunk(2, (1, 1), (1, 3)), chunk(3, (3, 0), (1, 1))],
+            r"rank 0 and rank 3 overlap at offset \[3, 0\]",
+        ),
+        ([chunk(1, (0, 0), (0, 4)), chunk(0, (0, 0), (4, 4)), chunk(2, (1, 0), (1, 4))], "rank 0 and rank 2 overlap"),
         ([chunk(0, (0, 0), (2, 4)), chunk(1, (2, 0), (2, 4), global_shape=(4, 5))], "disagree"),
         ([chunk(0, (0, 0), (2, 4)), chunk(1, (2, 0), (2, 4), dtype="BF16")], "disagree"),
     ],

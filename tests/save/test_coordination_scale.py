@@ -86,3 +86,18 @@ def test_unique_layout_planning_covers_every_byte_once_and_matches_the_plain_pla
             owners.setdefault(piece.file_name, set()).add(rank_plan.rank)
             assert piece.whole_file
     assert all(len(o) == 1 for o in owners.values()), "object stores: one writer per file"
+
+
+@pytest.mark.parametrize("mix", ["fsdp", "hsdp"])
+def test_fsdp_and_hsdp_meshes_are_planned_once_for_every_rank(tmp_path, mix):
+    """Every rank of the mesh sends one shared (symbolic) layout: one description, one class
+    plan of the same size at every world size, a manifest that does not grow with the ranks."""
+    measures = {w: bench.simulate(w, 30, str(tmp_path / str(w)), trace=False, mix=mix) for w in (8, 64, 256)}
+    manifests = [m.manifest_bytes for ms in measures.values() for m in ms]
+    assert max(manifests) - min(manifests) <= 16, manifests  # the world size's digits
+    for first, cached in measures.values():
+        assert first.plans_made == 1 and first.collectives == 4 and cached.collectives == 2
+    class_plans = [first.other_bytes_max for first, _ in measures.values()]
+    assert max(class_plans) - min(class_plans) <= 16, class_plans  # one class plan, members a range
+    exponent = bench.growth([8.0, 64.0, 256.0], [float(first.coordinator_bytes) for first, _ in measures.values()])
+    assert exponent <= 1.05, exponent  # a class plan per rank on the wire: linear, not W x tensors
