@@ -20,7 +20,7 @@ Sharding mixes (``--mix``):
   are 2 x TP x PP distinct layouts.
 * ``fsdp``: FSDP2, every tensor a DTensor ``Shard(0)`` over all W ranks (mesh ``(W,)``): two
   thirds ``(8192, 64)`` matrices, one third ``(8192,)`` vectors, BF16.  W distinct pieces per
-  tensor; described symbolically (one :class:`~ckptd.dist.sharding.Grid` layout, a coordinate
+  tensor; described symbolically (one :class:`~ckptd.dist.grid.Grid` layout, a coordinate
   per rank).
 * ``hsdp``: HSDP, mesh ``(W/S, S)`` with S = min(8, W) (sharded within a node, replicated
   across), placements ``(Replicate(), Shard(0))``, the same tensors.
@@ -28,19 +28,20 @@ Sharding mixes (``--mix``):
 With ``--explicit`` the ``fsdp``/``hsdp`` mixes are described by boxes instead (a layout per
 rank, as the code before did; object stores still do): O(W x tensors) descriptions to build, so
 for small W; the commit then combines every piece's result.  With ``--per-rank`` every rank
-also holds one per-rank tensor (``rng@rank<r>``, its own file and
-index): W more distinct layouts.
+also holds one per-rank tensor (``rng@rank<r>``, its own file and index): W more distinct
+layouts.
 
 For the grid mixes the coordinator's answer is one :class:`~ckptd.save.plan_unique.ClassPlan`
 for every rank; each rank derives its own pieces (timed for one rank: ``derive s``).  The commit
 is then fed one made-up result per file (each file's row blocks come from up to W ranks; their
 CRC combination, O(pieces), is not simulated at that size: see docs/benchmarks.md).
 
-Run: ``python benchmarks/bench_coordination.py [--mix megatron|fsdp|hsdp] [--worlds
-8,64,512,4096,16384] [--tensors 1000] [--plot docs/coordination.png] [--per-rank]``.  Prints a
-table per phase (first save / cached save): seconds, coordinator bytes received+sent, bytes per
-other rank, peak traced memory (tracemalloc) of the coordinator's planning and of the manifest
-build+write, and fitted growth exponents in world size.
+Run: ``python benchmarks/bench_coordination.py [--mix megatron,fsdp,hsdp] [--worlds
+8,64,512,4096,16384] [--tensors 1000] [--plot docs/coordination.png] [--per-rank] [--explicit]
+[--json FILE]``.  Prints, per mix, a table per phase (first save / cached save): seconds,
+coordinator bytes received+sent, bytes per other rank, peak traced memory (tracemalloc) of the
+coordinator's planning and of the manifest build+write, and fitted growth exponents in world
+size.
 """
 
 from __future__ import annotations

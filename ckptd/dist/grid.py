@@ -33,10 +33,11 @@ class Grid:
         return all(d in (-1, 0) for d in self.shard_dims)
 
 
-def grid_of(value: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...]] | None:
-    """``(mesh, its shape, the shard dims)`` of a DTensor placed only by plain ``Shard`` and
-    ``Replicate`` placements, or None (``Partial``, ``_StridedShard`` and other placements are
-    described by explicit boxes)."""
+def grid_of(value: Any) -> tuple[Any, Grid, tuple[int, ...]] | None:
+    """``(mesh, grid, this rank's coordinate in the mesh)`` of a DTensor placed only by plain
+    ``Shard`` and ``Replicate`` placements (the grid's ``mesh`` number left at 0), or None
+    (``Partial``, ``_StridedShard`` and other placements are described by explicit boxes, as is
+    a DTensor whose mesh does not hold this rank)."""
     from torch.distributed.tensor import Replicate, Shard
 
     dims = []
@@ -48,4 +49,7 @@ def grid_of(value: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...]] | None:
         else:
             return None
     mesh = value.device_mesh
-    return mesh, tuple(int(n) for n in mesh.shape), tuple(dims)
+    coordinate = mesh.get_coordinate()
+    if not coordinate:
+        return None
+    return mesh, Grid(tuple(int(n) for n in mesh.shape), tuple(dims)), tuple(int(c) for c in coordinate)

@@ -176,6 +176,8 @@ class DistContext:
         """This rank's item of the coordinator's ``parts`` (one per rank; ``None`` elsewhere).  A
         part given for many ranks (the same object) is pickled and held once."""
         coordinator = self.coordinator
+        if self.is_coordinator and (parts is None or len(parts) != self.world_size):
+            raise ValueError("the coordinator scatters exactly one part per rank")
         try:
             size = torch.empty(1, dtype=torch.int64)
             if not self.is_coordinator:
@@ -184,8 +186,7 @@ class DistContext:
                 dist.recv(buffer, group=self.group, group_src=coordinator)
                 self._count(0, buffer.numel())
                 return pickle.loads(_as_bytes(buffer))
-            if parts is None or len(parts) != self.world_size:
-                raise ValueError("the coordinator scatters exactly one part per rank")
+            assert parts is not None
             pickled: dict[int, tuple[bytes, Any]] = {}  # by id: a part given for many ranks is pickled once
             for p in parts:
                 if id(p) not in pickled:
@@ -201,8 +202,6 @@ class DistContext:
             for work in works:
                 if work is not None:
                     work.wait()
-        except ValueError:
-            raise
         except Exception as e:
             raise self._collective_failed(e) from e
         sent = sum(len(pickled[id(p)][0]) for rank, p in enumerate(parts) if rank != self.rank)

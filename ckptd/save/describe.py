@@ -136,7 +136,7 @@ def _describe(
     """A :class:`LocalTensor` per tensor of ``flat``: the ``previous`` save's ones when they still
     describe it (see :func:`_unchanged`), so a warm save builds no new objects per tensor.  With
     ``meshes`` (mesh -> this rank's coordinate, filled in order of first use), DTensors placed by
-    ``Shard``/``Replicate`` get a :class:`~ckptd.dist.sharding.Grid`."""
+    ``Shard``/``Replicate`` get a :class:`~ckptd.dist.grid.Grid`."""
     if previous is not None and _unchanged(flat, previous):
         return previous
     out = []
@@ -166,15 +166,13 @@ def _describe(
 def _grid(placement: Placement, meshes: dict[Any, tuple[int, ...]] | None) -> Grid | None:
     """The placement's grid, its mesh numbered in ``meshes`` (None: no grids, no mesh, or pieces
     that are not row blocks: those keep explicit boxes)."""
-    if meshes is None or placement.mesh is None:
-        return None
-    grid = Grid(placement.mesh_shape, placement.shard_dims)
-    if not grid.rows_only:
+    grid = placement.grid
+    if meshes is None or grid is None or not grid.rows_only:
         return None
     known = meshes.setdefault(placement.mesh, placement.coordinate)
     if known != placement.coordinate:  # equal meshes, different coordinates: not one mesh after all
         return None
-    return Grid(grid.mesh_shape, grid.shard_dims, list(meshes).index(placement.mesh))
+    return dataclasses.replace(grid, mesh=list(meshes).index(placement.mesh))
 
 
 def _unchanged(flat: FlatComponent, previous: list[LocalTensor]) -> bool:

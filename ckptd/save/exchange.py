@@ -205,16 +205,7 @@ class PlanBook:
             reused, hashed = _reuse_of(rank_plan, reuse)
             if class_plan is not None and brief.held != self.plan_id:
                 answer = by_class.get(id(class_plan))
-                if answer is None:
-                    answer = by_class[id(class_plan)] = Assignment(
-                        class_plan=class_plan,
-                        plan_id=self.plan_id,
-                        key=key,
-                        staging=staging,
-                        reused=reused,
-                        hashed=hashed,
-                    )
-                if answer.reused != reused or answer.hashed != hashed:  # it reuses files of its own
+                if answer is None or answer.reused != reused or answer.hashed != hashed:  # or reuses files of its own
                     answer = Assignment(
                         class_plan=class_plan,
                         plan_id=self.plan_id,
@@ -223,6 +214,7 @@ class PlanBook:
                         reused=reused,
                         hashed=hashed,
                     )
+                    by_class.setdefault(id(class_plan), answer)
                 out.append(answer)
                 continue
             if brief.held == self.plan_id and not reused and not hashed:

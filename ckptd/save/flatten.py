@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..dist.grid import grid_of
+from ..dist.grid import Grid, grid_of
 from ..dist.sharding import ShardedTensor, describe_dtensor, is_dtensor, is_main_replica
 from ..errors import CkptdError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
 
@@ -53,15 +53,14 @@ COMPONENT_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 @dataclass(frozen=True)
 class Placement:
     """Where a local tensor sits in its global tensor (sharded tensors only); for a DTensor
-    placed by plain ``Shard``/``Replicate`` placements, also its mesh, the mesh's shape, the
-    tensor dimension each mesh dimension shards (-1: replicated) and this rank's coordinate."""
+    placed by plain ``Shard``/``Replicate`` placements, also its mesh, its
+    :class:`~ckptd.dist.grid.Grid` and this rank's coordinate in the mesh."""
 
     global_shape: tuple[int, ...]
     offset: tuple[int, ...]
     main: bool
     mesh: Any = None
-    mesh_shape: tuple[int, ...] = ()
-    shard_dims: tuple[int, ...] = ()
+    grid: Grid | None = None
     coordinate: tuple[int, ...] = ()
 
 
@@ -207,13 +206,7 @@ class _Encoder:
             key = self._add_tensor(local, path)
             if isinstance(value, torch.nn.Parameter) and not value.requires_grad:
                 self.frozen.add(key)
-            placement = Placement(global_shape, offset, is_main_replica(replica))
-            grid = grid_of(value)
-            coordinate = tuple(int(c) for c in value.device_mesh.get_coordinate() or ())
-            if grid is not None and coordinate:
-                mesh, mesh_shape, shard_dims = grid
-                placement = Placement(global_shape, offset, placement.main, mesh, mesh_shape, shard_dims, coordinate)
-            self.placements[key] = placement
+            self.placements[key] = Placement(global_shape, offset, is_main_replica(replica), *(grid_of(value) or ()))
             self.leaves[key] = value
             return {TAG: "tensor", "key": key, "sharded": "dtensor"}
         if isinstance(value, torch.Tensor):

@@ -18,7 +18,7 @@ one per replica.  Planning time and memory grow with the unique descriptions plu
 record per rank, not with world size x tensors.
 
 **Symbolic (grid) descriptions.**  A row-sharded DTensor (FSDP2, HSDP) is described by a
-:class:`~ckptd.dist.sharding.Grid`, the same on every rank of its mesh, so all ranks of an FSDP
+:class:`~ckptd.dist.grid.Grid`, the same on every rank of its mesh, so all ranks of an FSDP
 job have one layout and each sends only its coordinate in the mesh.  The coordinator checks that
 a class's coordinates cover each mesh exactly once, plans the class's virtual rank with every
 grid tensor whole (one file entry), and answers every member with one shared

@@ -21,7 +21,7 @@ from ckptd.writer.protocol import FileResult
 SHAPES = [(7, 5), (2, 3), (16,), (9, 4, 2), (1, 8), ()]  # uneven rows, empty pieces, 1-D, 3-D, 0-D
 
 
-def rank_state(mesh_shape, placements, coordinate, frozen=False):
+def rank_state(mesh_shape, placements, coordinate, rank):
     """(grid descriptions, explicit descriptions) of one rank's state: a grid tensor per shape,
     a replicated plain tensor, and a per-rank component."""
     dims = tuple(p.dim if isinstance(p, Shard) else -1 for p in placements)
@@ -32,16 +32,16 @@ def rank_state(mesh_shape, placements, coordinate, frozen=False):
         main = all(c == 0 for c, p in zip(coordinate, used, strict=True) if not isinstance(p, Shard))
         grid_dims = dims if shape else (-1,) * len(dims)
         common = ("model", f"w{i}", "F32", shape, tuple(offset), tuple(local))
-        grid_locals.append(LocalTensor(*common, True, main, frozen, Grid(mesh_shape, grid_dims, 0)))
-        explicit.append(LocalTensor(*common, True, main, frozen))
+        grid_locals.append(LocalTensor(*common, True, main, False, Grid(mesh_shape, grid_dims, 0)))
+        explicit.append(LocalTensor(*common, True, main))
     plain = LocalTensor.whole("model", "norm", "BF16", (6,), False)
-    rng = LocalTensor.whole(f"rng@rank{coordinate}", "state", "U8", (24,), False)
+    rng = LocalTensor.whole(f"rng@rank{rank}", "state", "U8", (24,), False)
     return [*grid_locals, plain, rng], [*explicit, plain, rng]
 
 
-def job(mesh_shape, placements, frozen=False):
+def job(mesh_shape, placements):
     coordinates = list(itertools.product(*(range(n) for n in mesh_shape)))
-    states = [rank_state(mesh_shape, placements, c, frozen) for c in coordinates]
+    states = [rank_state(mesh_shape, placements, c, rank) for rank, c in enumerate(coordinates)]
     return coordinates, [s[0] for s in states], [s[1] for s in states]
 
 
