@@ -75,7 +75,7 @@ _CORE = {
     "optim_state_to_sharding_state": "dist.optim",
     "retie_parameters": "load.assign",
     "save_stats": "stats",
-    "validate_sharding": "dist.sharding",
+    "validate_sharding": "dist.coverage",
 }
 
 # Seed-compatible names, kept importable from the top level (not in ``__all__``).
@@ -177,9 +177,10 @@ if TYPE_CHECKING:
         save_sharded_model,
         set_submodule,
     )
+    from .dist.coverage import validate_sharding
     from .dist.group import Sharing
     from .dist.optim import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
-    from .dist.sharding import ShardedTensor, validate_sharding
+    from .dist.sharding import ShardedTensor
     from .load.assign import create_sharing_metadata, retie_parameters
     from .load.reader import CheckpointReader
     from .manager import CheckpointManager, CheckpointPolicy

@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from ..checkpointer import Checkpointer
+from ..dist.coverage import validate_sharding
 from ..dist.optim import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
-from ..dist.sharding import ShardedTensor, is_main_replica, validate_sharding
+from ..dist.sharding import ShardedTensor, is_main_replica
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, ShardingError
 from ..formats.torch_dtypes import dtype_from_name
 from ..load.reader import CheckpointReader

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from ..dist.sharding import ChunkInfo, ShardedTensor, is_main_replica, validate_sharding
+from ..dist.coverage import ChunkInfo, validate_sharding
+from ..dist.sharding import ShardedTensor, is_main_replica
 from ..errors import ConfigError, ShardingError
 from ..formats.torch_dtypes import dtype_name
 

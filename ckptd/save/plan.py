@@ -32,8 +32,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, NamedTuple
 
+from ..dist.coverage import ChunkInfo, validate_sharding
 from ..dist.grid import Grid
-from ..dist.sharding import Box, ChunkInfo, validate_sharding
+from ..dist.sharding import Box
 from ..errors import ConfigError, ShardingError
 from ..formats.manifest import ChunkRecord, TensorRecord, zero_offset
 from ..formats.names import shard_file_name, spread_file_name

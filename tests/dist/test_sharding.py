@@ -9,8 +9,9 @@ import os
 import pytest
 import torch
 
+from ckptd.dist.coverage import ChunkInfo, validate_sharding
 from ckptd.dist.group import Sharing, normalize_sharing
-from ckptd.dist.sharding import Box, ChunkInfo, ShardedTensor, intersect, paired_runs, validate_sharding
+from ckptd.dist.sharding import Box, ShardedTensor, intersect, paired_runs
 from ckptd.errors import ConfigError, ShardingError
 from ckptd.formats.checksum import crc32c, crc32c_combine
 
