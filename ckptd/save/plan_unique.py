@@ -136,8 +136,8 @@ def plan_unique(
     files.sort(key=lambda f: position.get(f.component, len(position)))
     ordered = {component: tensors[component] for component in order if component in tensors}
     ranks = tuple(
-        _lay_out(rank, pieces) if class_plans[rank] is None else _stand_in(rank, class_plans[rank], pieces)
-        for rank, pieces in enumerate(pieces_by_rank)
+        _lay_out(rank, pieces) if derived_from is None else _stand_in(rank, derived_from, pieces)
+        for rank, (pieces, derived_from) in enumerate(zip(pieces_by_rank, class_plans, strict=True))
     )
     derived = tuple(class_plans) if any(c is not None for c in class_plans) else ()
     return SavePlan(world, tuple(files), ranks, ordered, signature, derived)
@@ -212,10 +212,9 @@ def _check_cover(
             )
 
 
-def _stand_in(rank: int, class_plan: ClassPlan | None, solo: Sequence[Piece]) -> RankPlan:
+def _stand_in(rank: int, class_plan: ClassPlan, solo: Sequence[Piece]) -> RankPlan:
     """The coordinator's record of a member of a class plan: the class's pieces (every file it
     may write into, which is all an incremental save's choice of files needs) and its solo ones."""
-    assert class_plan is not None
     return RankPlan(rank, (*class_plan.pieces, *solo), 0, ())
 
 
