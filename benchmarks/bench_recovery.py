@@ -18,7 +18,9 @@ Two parts, on one state of ``--size-mib`` MiB (float32 tensors of a transformer-
    torchrun does), against the floor measured in the same process (a ``copy_`` of the same bytes
    into fresh tensors); the local tier with the files in the page cache; the same after
    ``posix_fadvise(DONTNEED)`` (cold); the slower local tier (the fast tier's copy removed); the
-   S3 tier.  Peer replicas are not built yet: their row says so.
+   S3 tier; and a peer replica (``peer_recovery.py``: two gloo ranks on simulated hosts, both
+   SIGKILLed after saving with ``PeerSnapshots(replicas=1)``, host 1's memory removed, a new job
+   restoring rank 1 from rank 0's replica).
 3. **A tier copy alone** (no training loop; interleaved): ``promote_checkpoint`` of a committed
    checkpoint from local disk (its files dropped from the page cache first, as a save leaves
    them), then from held memory, to a local tier directory.
@@ -54,6 +56,7 @@ from typing import Any
 
 import torch
 from floors import drop_from_page_cache
+from peer_recovery import peer_replica_rounds, print_peer_rows
 
 import ckptd
 
@@ -329,6 +332,8 @@ def main() -> None:
         finally:
             ckptd.drop_held(held, force=True)
 
+        figures["peers"] = peer_replica_rounds(args.size_mib, args.rounds)
+
         # ---- restore -------------------------------------------------------------------------
         fast, slow = os.path.join(work, "restore-fast"), os.path.join(work, "restore-slow")
         tiers: list[ckptd.Tier] = [ckptd.Tier(slow)]
@@ -380,7 +385,7 @@ def main() -> None:
         ratio = statistics.median(o["load"] / o["copy_floor"] for o in outcomes)
         restored[name] = total
         print(f"  {name:<32} {total:6.2f}s {load:10.2f}s   {outcomes[0]['tier']}   {ratio:.2f}x")
-    print("  peer replica: not built yet (issue 28 item 4)")
+    print_peer_rows(figures["peers"])
     print("a tier copy alone (no training)        median   per round")
     for name, seconds in figures["copy"].items():
         print(f"  {name:<36} {statistics.median(seconds):6.3f}s   {', '.join(f'{x:.2f}' for x in seconds)}")

@@ -24,6 +24,8 @@ __all__ = [
     "CheckpointerOptions",
     "HeldRoot",
     "LoadSource",
+    "PeerRestore",
+    "PeerSnapshots",
     "PromotionResult",
     "RNGState",
     "SaveRequest",
@@ -60,6 +62,8 @@ _CORE = {
     "held_roots": "writer.keeper",
     "LoadSource": "tiers",
     "PromotionResult": "tiers",
+    "PeerRestore": "replicas",
+    "PeerSnapshots": "replicas",
     "RNGState": "rng",
     "SaveRequest": "request",
     "SaveResult": "request",
@@ -185,6 +189,7 @@ if TYPE_CHECKING:
     from .load.reader import CheckpointReader
     from .manager import CheckpointManager, CheckpointPolicy
     from .options import CheckpointerOptions
+    from .replicas import PeerRestore, PeerSnapshots
     from .request import SaveRequest, SaveResult
     from .rng import RNGState
     from .stats import save_stats

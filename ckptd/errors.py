@@ -21,6 +21,7 @@ __all__ = [
     "KeyMismatchError",
     "MissingFileError",
     "ReferencedCheckpointError",
+    "ReplicationError",
     "ShardingError",
     "StorageError",
     "UnsafeCheckpointError",
@@ -101,6 +102,11 @@ class DistributedSaveError(CkptdError, RuntimeError):
     def __init__(self, message: str, ranks: list[int] | None = None) -> None:
         super().__init__(message)
         self.ranks = list(ranks or [])
+
+
+class ReplicationError(CkptdError, RuntimeError):
+    """Copying a snapshot to a peer rank (or back from it) failed: the peer died, the group broke,
+    or the copy arrived damaged.  The snapshot in this rank's own memory is unaffected."""
 
 
 class StorageError(CkptdError, OSError):

@@ -19,7 +19,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("ckptd.catalog", "ckptd.retention", "ckptd.garbage"),
     ("ckptd.save", "ckptd.load", "ckptd.tiers"),
     ("ckptd.checkpointer", "ckptd.rng"),
-    ("ckptd.compat", "ckptd.tools", "ckptd.cli", "ckptd.manager", "ckptd.integrations", "ckptd.__main__"),
+    (
+        "ckptd.compat",
+        "ckptd.tools",
+        "ckptd.cli",
+        "ckptd.manager",
+        "ckptd.replicas",
+        "ckptd.integrations",
+        "ckptd.__main__",
+    ),
 ]
 
 

@@ -41,6 +41,7 @@ FOREIGN = frozenset(
         "sink",
         "slice",
         "torch.load",
+        "train_step",  # the training step of the peer-replicas example
     }
 )
 
@@ -70,6 +71,9 @@ _RECEIVERS = {
     "reader": "CheckpointReader",
     "request": "SaveRequest",
     "st": "ShardedTensor",
+    "snapshots": "PeerSnapshots",
+    "disk": "Checkpointer",
+    "fallback": "Checkpointer",
 }
 
 # Bare names are looked up in the namespaces of their section first, then in all of these.

@@ -1,0 +1,108 @@
+"""A rank's own state as plain local tensors, and back.
+
+A peer snapshot is this rank's state alone, restored by the same rank of a job of the same
+layout: a DTensor is saved as its local tensor (the piece this rank holds), and rebuilt on restore
+from the target's mesh and placements.  Objects with ``state_dict()`` (modules, optimizers,
+schedulers) are saved as their state dicts and restored with ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+from ..errors import KeyMismatchError, UnsupportedValueError
+
+__all__ = ["local_state", "restore_into"]
+
+
+def _dtensor_type() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return DTensor
+
+
+def local_state(value: Any) -> Any:
+    """``value`` with every DTensor replaced by its local tensor (no copy) and every object with
+    a ``state_dict()`` by its state dict."""
+    dtensor = _dtensor_type()
+    return _localize(value, dtensor)
+
+
+def _localize(value: Any, dtensor: Any) -> Any:
+    if dtensor is not None and isinstance(value, dtensor):
+        return value._local_tensor
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, Mapping):
+        return {key: _localize(item, dtensor) for key, item in value.items()}
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(_localize(item, dtensor) for item in value)
+    if callable(getattr(value, "state_dict", None)):
+        return _localize(value.state_dict(), dtensor)
+    return value
+
+
+def restore_into(saved: Mapping[str, Any], into: Mapping[str, Any]) -> None:
+    """Put ``saved[component]`` into each ``into[component]``: ``load_state_dict`` for objects
+    that have it (DTensors rebuilt on the target's mesh and placements), in-place copies into the
+    tensors of a mapping.  A component or key missing from ``saved`` is a
+    :class:`~ckptd.errors.KeyMismatchError` naming it; a value that does not fit its target an
+    :class:`~ckptd.errors.UnsupportedValueError`."""
+    dtensor = _dtensor_type()
+    for component, target in into.items():
+        if component not in saved:
+            raise KeyMismatchError(f"the snapshot has no component {component!r} (it has {sorted(saved)})")
+        value = saved[component]
+        if callable(getattr(target, "load_state_dict", None)):
+            target.load_state_dict(_rebuild(value, target.state_dict(), dtensor))
+        elif isinstance(target, Mapping):
+            _copy_into(target, value, dtensor, component)
+        else:
+            what = type(target).__name__
+            raise UnsupportedValueError(
+                f"cannot restore into {component!r}: a {what} (a mapping or has load_state_dict)"
+            )
+
+
+def _rebuild(value: Any, template: Any, dtensor: Any) -> Any:
+    if dtensor is not None and isinstance(template, dtensor) and isinstance(value, torch.Tensor):
+        return dtensor.from_local(
+            value,
+            template.device_mesh,
+            template.placements,
+            run_check=False,
+            shape=template.shape,
+            stride=template.stride(),
+        )
+    if isinstance(value, Mapping) and isinstance(template, Mapping):
+        return {key: _rebuild(item, template.get(key), dtensor) for key, item in value.items()}
+    if isinstance(value, list | tuple) and isinstance(template, list | tuple) and len(value) == len(template):
+        return type(value)(_rebuild(v, t, dtensor) for v, t in zip(value, template, strict=True))
+    return value
+
+
+def _copy_into(target: Mapping[str, Any], value: Any, dtensor: Any, where: str) -> None:
+    if not isinstance(value, Mapping):
+        raise UnsupportedValueError(f"{where}: the snapshot holds a {type(value).__name__}, the target a mapping")
+    for key, slot in target.items():
+        if key not in value:
+            raise KeyMismatchError(f"{where}.{key}: not in the snapshot")
+        item = value[key]
+        if dtensor is not None and isinstance(slot, dtensor):
+            slot = slot._local_tensor
+        if isinstance(slot, torch.Tensor):
+            if not isinstance(item, torch.Tensor) or item.shape != slot.shape or item.dtype != slot.dtype:
+                raise UnsupportedValueError(
+                    f"{where}.{key}: the snapshot's value does not fit the target {tuple(slot.shape)} {slot.dtype}"
+                )
+            with torch.no_grad():
+                slot.copy_(item)
+        elif isinstance(slot, Mapping):
+            _copy_into(slot, item, dtensor, f"{where}.{key}")
+        elif isinstance(target, MutableMapping):
+            target[key] = item

@@ -1,0 +1,217 @@
+"""Peer replicas on real gloo ranks: each rank's snapshot in its "host's" memory and a replica in a
+peer's; a job that lost a host restores the lost rank from its peer, bit for bit.
+
+Hosts are simulated on this machine: each rank gets a held-memory base of its own
+(``CKPTD_HELD_DIR``) and a node name (``CKPTD_NODE``); losing a host is SIGKILL to its processes
+(trainer, writer, keepers) and the removal of its memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_same, pid_alive, wait_for
+from distributed import run_ranks
+
+import ckptd
+from ckptd.replicas import PeerSnapshots
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.distributed]
+
+NAME = "job"
+
+
+def be_host(base: str, rank: int) -> str:
+    """Make this process rank ``rank``'s simulated host: its own held memory and node name."""
+    host = os.path.join(base, f"host-{rank}")
+    os.makedirs(host, exist_ok=True)
+    os.environ["CKPTD_HELD_DIR"] = host
+    os.environ["CKPTD_NODE"] = f"node-{rank}"
+    return host
+
+
+def rank_state(rank: int, step: int) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    model = torch.nn.Linear(6, 5)
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(5, 6, generator=generator))
+        model.bias.copy_(torch.randn(5, generator=generator))
+    return {
+        "model": model,
+        "rng": {"gen": torch.randint(0, 255, (16,), dtype=torch.uint8, generator=generator)},
+        "progress": {"step": step, "rank": rank},
+    }
+
+
+def blank_targets() -> dict[str, Any]:
+    return {
+        "model": torch.nn.Linear(6, 5),
+        "rng": {"gen": torch.zeros(16, dtype=torch.uint8)},
+        "progress": {"step": -1, "rank": -1},
+    }
+
+
+def save_steps(rank: int, world: int, base: str, steps: list[int], fallback: str | None, die: bool) -> dict[str, Any]:
+    """Save ``steps`` with replicas (and to ``fallback``); with ``die``, the trainer is then
+    SIGKILLed (its writer dies with it) and its report is a file."""
+    be_host(base, rank)
+    disk = ckptd.Checkpointer(fallback, dist_timeout=60) if fallback else None
+    snapshots = PeerSnapshots(NAME, replicas=1, hold_after_exit=120, timeout=60)
+    for step in steps:
+        state = rank_state(rank, step)
+        snapshots.save(step, state)
+        if disk is not None:
+            sharing = {"model": "per_rank", "progress": "per_rank"}
+            disk.save(step, {"model": state["model"], "progress": state["progress"]}, sharing=sharing)
+    report = {
+        "held": snapshots.held_bytes(),
+        "keepers": [lease.keeper_pid for lease in snapshots._leases] + [snapshots.checkpointer._lease.keeper_pid],
+        "writer": snapshots.checkpointer.writer_pid,
+        "sent": snapshots.stats.steps_sent,
+    }
+    if die:
+        with open(os.path.join(base, f"rank-{rank}.json"), "w") as f:
+            json.dump(report, f)
+        os.kill(os.getpid(), signal.SIGKILL)
+    snapshots.close()
+    if disk is not None:
+        disk.close()
+    return report
+
+
+def killed_after_saving(base: str, steps: list[int]) -> dict[int, dict[str, Any]]:
+    """Both ranks save ``steps`` and are SIGKILLed; their reports, once their writers are gone."""
+    run_ranks(2, save_steps, base, steps, None, True, expect_dead={0, 1})
+    reports = {}
+    for rank in (0, 1):
+        with open(os.path.join(base, f"rank-{rank}.json")) as f:
+            reports[rank] = json.load(f)
+        wait_for(lambda pid=reports[rank]["writer"]: not pid_alive(pid), timeout=30)
+    return reports
+
+
+def restore(rank: int, world: int, base: str, fallback: str | None, hold: float) -> dict[str, Any]:
+    be_host(base, rank)
+    disk = ckptd.Checkpointer(fallback, dist_timeout=60) if fallback else None
+    with PeerSnapshots(NAME, replicas=1, hold_after_exit=hold, timeout=60) as snapshots:
+        targets = blank_targets()
+        result = snapshots.restore(into=targets if disk is None else None, fallback=disk)
+        own = snapshots.checkpointer.steps()
+        keepers = [lease.keeper_pid for lease in snapshots._leases] + [snapshots.checkpointer._lease.keeper_pid]
+    if disk is not None:
+        disk.close()
+    if result is None:
+        return {"result": None, "keepers": keepers}
+    if result.state is not None:  # from the fallback: the tensors it holds
+        targets = {"model": {k: v for k, v in result.state["model"].items()}, "progress": result.state["progress"]}
+    else:
+        targets = {"model": targets["model"].state_dict(), "rng": targets["rng"], "progress": targets["progress"]}
+    return {
+        "step": result.step,
+        "source": result.source,
+        "peer": result.peer,
+        "state": targets,
+        "own": own,
+        "keepers": keepers,
+    }
+
+
+def lose_host(base: str, rank: int, keepers: list[int]) -> None:
+    """The host of ``rank`` is gone: its keepers are killed, its memory with it."""
+    for pid in keepers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in keepers:
+        wait_for(lambda pid=pid: not pid_alive(pid), timeout=30)
+    shutil.rmtree(os.path.join(base, f"host-{rank}"))
+
+
+def finish(outcomes: dict[int, dict[str, Any]]) -> None:
+    """Wait for the keepers of the last run (hold 0.5 s) to release the memory and exit."""
+    for outcome in outcomes.values():
+        for pid in outcome["keepers"]:
+            wait_for(lambda pid=pid: not pid_alive(pid), timeout=60)
+
+
+def expected(rank: int, step: int) -> dict[str, Any]:
+    state = rank_state(rank, step)
+    return {"model": state["model"].state_dict(), "rng": state["rng"], "progress": state["progress"]}
+
+
+def test_a_lost_host_s_rank_restores_from_its_peer_s_replica_bit_for_bit(tmp_path):
+    base = str(tmp_path)
+    saved = killed_after_saving(base, [1, 2, 3])
+    for rank in (0, 1):
+        assert saved[rank]["sent"] == [1, 2, 3]
+        root = os.path.join(base, f"host-{rank}", f"ckptd-{os.getuid()}")
+        peer = 1 - rank
+        assert sorted(os.listdir(os.path.join(root, f"{NAME}.replica-{peer:05d}"))) == ["checkpoint-2", "checkpoint-3"]
+        # each host holds its own two snapshots and its peer's two: the same bytes
+        assert saved[rank]["held"]["replicas"] == saved[peer]["held"]["own"] > 0
+    lose_host(base, 1, saved[1]["keepers"])
+
+    restored = run_ranks(2, restore, base, None, 0.5)
+    finish(restored)
+    assert (restored[0]["step"], restored[0]["source"], restored[0]["peer"]) == (3, "memory", None)
+    assert (restored[1]["step"], restored[1]["source"], restored[1]["peer"]) == (3, "replica", 0)
+    for rank in (0, 1):
+        assert_same(expected(rank, 3), restored[rank]["state"], f"rank {rank}")
+    assert restored[1]["own"] == [3], "the replica sent back is rank 1's own snapshot again"
+
+
+def test_a_damaged_replica_is_refused_and_an_older_step_every_rank_has_is_restored(tmp_path):
+    base = str(tmp_path)
+    saved = run_ranks(2, save_steps, base, [1, 2, 3], None, False)
+    replica = os.path.join(base, "host-0", f"ckptd-{os.getuid()}", f"{NAME}.replica-00001", "checkpoint-3")
+    shard = next(n for n in os.listdir(replica) if n.endswith(".safetensors"))
+    with open(os.path.join(replica, shard), "r+b") as f:  # one bit of a tensor's bytes flipped
+        f.seek(os.path.getsize(f.name) - 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    lose_host(base, 1, saved[1]["keepers"])
+
+    restored = run_ranks(2, restore, base, None, 0.5)
+    finish(restored)
+    assert (restored[1]["step"], restored[1]["source"]) == (2, "replica"), "step 3's copy failed its CRC32C"
+    assert (restored[0]["step"], restored[0]["source"]) == (2, "memory"), "every rank goes back to the same step"
+    for rank in (0, 1):
+        assert_same(expected(rank, 2), restored[rank]["state"], f"rank {rank}")
+    assert 3 not in restored[1]["own"], "the damaged copy was never published"
+
+
+def test_with_both_copies_gone_the_fallback_checkpointer_restores(tmp_path):
+    base, disk = str(tmp_path / "hosts"), str(tmp_path / "disk")
+    saved = run_ranks(2, save_steps, base, [1, 2], disk, False)
+    for rank in (0, 1):
+        lose_host(base, rank, saved[rank]["keepers"])
+
+    restored = run_ranks(2, restore, base, disk, 0.5)
+    finish(restored)
+    for rank in (0, 1):
+        assert (restored[rank]["step"], restored[rank]["source"]) == (2, "fallback")
+        want = expected(rank, 2)
+        assert_same(want["model"], restored[rank]["state"]["model"], f"rank {rank}")
+        assert restored[rank]["state"]["progress"] == {"step": 2, "rank": rank}
+
+
+def one_node(rank: int, world: int, base: str) -> str:
+    be_host(base, rank)
+    os.environ["CKPTD_NODE"] = "same-host"
+    try:
+        PeerSnapshots(NAME, replicas=1)
+    except ckptd.errors.ConfigError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_replicas_need_ranks_on_another_node(tmp_path):
+    messages = run_ranks(2, one_node, str(tmp_path))
+    assert all("at least 2 nodes" in m and "same-host" in m for m in messages.values()), json.dumps(messages)
