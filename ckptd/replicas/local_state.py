@@ -59,7 +59,8 @@ def restore_into(saved: Mapping[str, Any], into: Mapping[str, Any]) -> None:
             raise KeyMismatchError(f"the snapshot has no component {component!r} (it has {sorted(saved)})")
         value = saved[component]
         if callable(getattr(target, "load_state_dict", None)):
-            target.load_state_dict(_rebuild(value, target.state_dict(), dtensor))
+            template = _optimizer_template(target, value, dtensor) if hasattr(target, "param_groups") else None
+            target.load_state_dict(_rebuild(value, template or target.state_dict(), dtensor))
         elif isinstance(target, Mapping):
             _copy_into(target, value, dtensor, component)
         else:
@@ -67,6 +68,25 @@ def restore_into(saved: Mapping[str, Any], into: Mapping[str, Any]) -> None:
             raise UnsupportedValueError(
                 f"cannot restore into {component!r}: a {what} (a mapping or has load_state_dict)"
             )
+
+
+def _optimizer_template(optimizer: Any, value: Any, dtensor: Any) -> dict[str, Any] | None:
+    """The DTensor each saved optimizer state tensor belongs on: its parameter, where the tensor
+    has the parameter's local shape (an optimizer that has not stepped yet has no state to
+    serve as the template)."""
+    if dtensor is None or not isinstance(value, Mapping) or not isinstance(value.get("state"), Mapping):
+        return None
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    state: dict[Any, Any] = {}
+    for index, entry in value["state"].items():
+        param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+        if isinstance(param, dtensor) and isinstance(entry, Mapping):
+            local_shape = param._local_tensor.shape
+            state[index] = {
+                key: param if isinstance(item, torch.Tensor) and item.shape == local_shape else None
+                for key, item in entry.items()
+            }
+    return {"state": state} if state else None
 
 
 def _rebuild(value: Any, template: Any, dtensor: Any) -> Any:
@@ -79,8 +99,9 @@ def _rebuild(value: Any, template: Any, dtensor: Any) -> Any:
             shape=template.shape,
             stride=template.stride(),
         )
-    if isinstance(value, Mapping) and isinstance(template, Mapping):
-        return {key: _rebuild(item, template.get(key), dtensor) for key, item in value.items()}
+    if isinstance(value, Mapping):
+        templates = template if isinstance(template, Mapping) else {}
+        return {key: _rebuild(item, templates.get(key), dtensor) for key, item in value.items()}
     if isinstance(value, list | tuple) and isinstance(template, list | tuple) and len(value) == len(template):
         return type(value)(_rebuild(v, t, dtensor) for v, t in zip(value, template, strict=True))
     return value

@@ -215,3 +215,41 @@ def one_node(rank: int, world: int, base: str) -> str:
 def test_replicas_need_ranks_on_another_node(tmp_path):
     messages = run_ranks(2, one_node, str(tmp_path))
     assert all("at least 2 nodes" in m and "same-host" in m for m in messages.values()), json.dumps(messages)
+
+
+def dtensor_job(rank: int, world: int, base: str, phase: str) -> dict[str, Any]:
+    """Phase ``save``: a row-sharded DTensor (and an optimizer over it) saved with replicas;
+    phase ``restore``: restored into a fresh DTensor and optimizer of the same mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    be_host(base, rank)
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(24, dtype=torch.float32).reshape(6, 4) if phase == "save" else torch.zeros(6, 4)
+    weight = torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
+    optimizer = torch.optim.SGD([weight], lr=0.5, momentum=0.9)
+    if phase == "save":
+        weight.grad = distribute_tensor(torch.ones(6, 4), mesh, [Shard(0)])
+        optimizer.step()
+    hold = 120 if phase == "save" else 0.5
+    with PeerSnapshots(NAME, replicas=1, hold_after_exit=hold, timeout=60) as snapshots:
+        keepers = [lease.keeper_pid for lease in snapshots._leases] + [snapshots.checkpointer._lease.keeper_pid]
+        if phase == "save":
+            snapshots.save(4, {"model": {"weight": weight}, "optimizer": optimizer})
+            source = None
+        else:
+            source = snapshots.restore(into={"model": {"weight": weight}, "optimizer": optimizer}).source
+    momentum = optimizer.state[weight]["momentum_buffer"]
+    return {"keepers": keepers, "source": source, "weight": weight.full_tensor(), "momentum": momentum.full_tensor()}
+
+
+def test_a_dtensor_and_its_optimizer_restore_from_a_replica_as_dtensors(tmp_path):
+    base = str(tmp_path)
+    saved = run_ranks(2, dtensor_job, base, "save")
+    lose_host(base, 1, saved[1]["keepers"])
+    restored = run_ranks(2, dtensor_job, base, "restore")
+    finish(restored)
+    assert [restored[r]["source"] for r in (0, 1)] == ["memory", "replica"]
+    for rank in (0, 1):
+        assert_same(saved[0]["weight"], restored[rank]["weight"], f"rank {rank} weight")
+        assert_same(saved[0]["momentum"], restored[rank]["momentum"], f"rank {rank} momentum")
