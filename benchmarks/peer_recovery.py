@@ -62,7 +62,7 @@ exact = all(torch.equal(targets[k], state[k]) for k in state)
 snapshots.close()
 dist.destroy_process_group()
 print(json.dumps({"total": done - began, "load": done - started, "source": result.source, "step": result.step,
-                  "copy_floor": floor, "exact": exact}), flush=True)
+                  "copy_floor": floor, "exact": exact, "phases": result.timings}), flush=True)
 """
 
 
@@ -135,7 +135,10 @@ def print_peer_rows(rows: dict[str, list[dict[str, Any]]]) -> None:
         total = statistics.median(o["total"] for o in outcomes)
         load = statistics.median(o["load"] for o in outcomes)
         ratio = statistics.median(o["load"] / o["copy_floor"] for o in outcomes)
-        print(f"  {name:<32} {total:6.2f}s {load:10.2f}s   {outcomes[0]['source']:<7} {ratio:.2f}x")
+        phases = ", ".join(
+            f"{phase} {statistics.median(o['phases'][phase] for o in outcomes):.2f}" for phase in outcomes[0]["phases"]
+        )
+        print(f"  {name:<32} {total:6.2f}s {load:10.2f}s   {outcomes[0]['source']:<7} {ratio:.2f}x   ({phases} s)")
     saves = rows["save with replicas=1"]
     med = {k: statistics.median(s[k] for s in saves) for k in saves[0]}
     held = rows["held"][0]

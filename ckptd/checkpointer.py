@@ -216,8 +216,12 @@ class Checkpointer:
         """Committed checkpoints, oldest step first (directories without a manifest are ignored)."""
         return list_checkpoints(self.storage, self.root)
 
-    def steps(self) -> list[int]:
-        """Steps of the committed checkpoints, ascending."""
+    def steps(self, *, tiers: bool = False) -> list[int]:
+        """Steps of the committed checkpoints, ascending: of the root, or with ``tiers`` of the
+        root and every slower tier together (a tier that cannot be listed is skipped, with a
+        warning)."""
+        if tiers and self._promoter is not None:
+            return sorted(committed_steps(self._tier_roots()))
         return [info.step for info in self.checkpoints()]
 
     def latest_step(self) -> int | None:

@@ -38,7 +38,7 @@ from .formats.manifest import MANIFEST_NAME, Manifest
 from .formats.names import TIERS_RECORD_NAME, checkpoint_dir_name
 from .load.pinning import OneVersion
 from .retention import RunRecord, apply_retention
-from .save.commit import open_staging, publish
+from .save.commit import publish, staging_directory
 from .storage import RangeReader, Storage, normalize_location, storage_for
 from .storage.held import is_held
 from .writer.priority import lower_priority
@@ -275,9 +275,8 @@ def _promote_version(
         )
     if target_storage.local and not overwrite and read_manifest(target_storage, final) is not None:
         raise CheckpointExistsError(f"{final} already exists")  # object stores: the claim refuses it
-    staging, held = open_staging(target_storage, final, overwrite=overwrite)
     copied = 0
-    try:
+    with staging_directory(target_storage, final, overwrite=overwrite) as staging:
         for subdirectory in sorted({name.rpartition("/")[0] for name in manifest.files} - {""}):
             target_storage.makedirs(target_storage.join(staging, subdirectory))
         for name, record in sorted(manifest.files.items()):
@@ -304,12 +303,6 @@ def _promote_version(
             create_only=not target_storage.local and not overwrite,
         )
         publish(target_storage, staging, final, overwrite=overwrite)
-    except BaseException:
-        target_storage.discard(staging)
-        raise
-    finally:
-        if held is not None:
-            held.release()
     return copied
 
 

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import KeyMismatchError, UnsupportedValueError
 
-__all__ = ["local_state", "restore_into"]
+__all__ = ["local_state", "restore_into", "split_targets"]
 
 
 def _dtensor_type() -> Any:
@@ -45,6 +45,28 @@ def _localize(value: Any, dtensor: Any) -> Any:
     if callable(getattr(value, "state_dict", None)):
         return _localize(value.state_dict(), dtensor)
     return value
+
+
+def split_targets(into: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``into`` cut in two: components a load can fill in place (a module's parameters and
+    buffers, a mapping holding only tensors; DTensors as their local pieces, which alias them),
+    and the rest, for :func:`restore_into` (optimizers, schedulers, mappings with other values)."""
+    dtensor = _dtensor_type()
+    in_place: dict[str, Any] = {}
+    rest: dict[str, Any] = {}
+    for component, target in into.items():
+        values = target.state_dict() if isinstance(target, torch.nn.Module) else target
+        if isinstance(values, Mapping) and values and _only_tensors(values):
+            in_place[component] = _localize(values, dtensor)
+        else:
+            rest[component] = target
+    return in_place, rest
+
+
+def _only_tensors(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return all(_only_tensors(item) for item in value.values())
+    return isinstance(value, torch.Tensor)
 
 
 def restore_into(saved: Mapping[str, Any], into: Mapping[str, Any]) -> None:

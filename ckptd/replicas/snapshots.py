@@ -17,12 +17,13 @@ Checkpointer (a disk or object-store root).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, cast
@@ -38,8 +39,9 @@ from ..options import DEFAULT_HELD_KEEP_LAST, DEFAULT_HOLD_AFTER_EXIT, parse_dur
 from ..request import SaveRequest
 from ..retention import apply_retention
 from ..storage.held import held_name, held_path
+from ..tiers import Tier
 from ..writer.keeper import HoldLease
-from .local_state import local_state, restore_into
+from .local_state import local_state, restore_into, split_targets
 from .topology import node_name, replica_holders, wards
 from .transfer import Received, receive_checkpoint, send_checkpoint
 
@@ -53,14 +55,19 @@ DEFAULT_REPLICATION_TIMEOUT = 600.0
 
 @dataclass(frozen=True)
 class PeerRestore:
-    """What :meth:`PeerSnapshots.restore` restored: the step, where this rank's snapshot came from
-    (``"memory"``: this host; ``"replica"``: the peer ``peer``'s memory; ``"fallback"``: the
-    fallback Checkpointer), and the state (``None`` when it went ``into`` the caller's objects)."""
+    """What :meth:`PeerSnapshots.restore` restored: the step; where this rank's snapshot came from
+    (``"memory"``: this host; ``"tier"``: one of the rank's own slower tiers, number ``tier``;
+    ``"replica"``: the peer ``peer``'s memory; ``"fallback"``: the fallback Checkpointer); the
+    state (``None`` when it went ``into`` the caller's objects); and ``timings``: seconds from the
+    call's start to the end of each phase (``list``, ``fetch``, ``load``, ``agree``, ``assign``;
+    ``fallback``), of the last step tried."""
 
     step: int
     source: str
     peer: int | None = None
     state: Any = None
+    timings: dict[str, float] = field(default_factory=dict)
+    tier: int | None = None
 
 
 @dataclass
@@ -85,6 +92,9 @@ class PeerSnapshots:
         keep_last: snapshots kept per rank, and replicas kept per peer (default 2).
         hold_after_exit: how long the memory outlives the job (default 5 minutes).
         timeout: seconds a transfer waits for its peer (the replication group's timeout).
+        tiers: slower tiers of each rank's own snapshots (:class:`~ckptd.Tier`), each root
+            naming ``{rank}`` (``Tier("/local_nvme/run42/{rank}", every=100, keep_last=3)``):
+            per-node local tiers, copied from the memory snapshot as a Checkpointer's tiers are.
         **overrides: other :class:`~ckptd.CheckpointerOptions` fields of the own snapshots'
             Checkpointer.
 
@@ -102,6 +112,7 @@ class PeerSnapshots:
         keep_last: int = DEFAULT_HELD_KEEP_LAST,
         hold_after_exit: float | str = DEFAULT_HOLD_AFTER_EXIT,
         timeout: float = DEFAULT_REPLICATION_TIMEOUT,
+        tiers: Iterable[Tier] | None = None,
         **overrides: Any,
     ) -> None:
         self.name = held_name(name)
@@ -124,6 +135,7 @@ class PeerSnapshots:
             no_dist=True,
             keep_last=keep_last,
             hold_after_exit=hold,
+            tiers=rank_tiers(tiers or (), self.rank),
             **overrides,
         )
         self._storage = self.checkpointer.storage
@@ -202,7 +214,7 @@ class PeerSnapshots:
         try:
             request.result()
             path: str | None = self.checkpointer.path_for(step)
-        except CkptdError:
+        except Exception:  # noqa: BLE001 - the save's own error reaches its caller through result()
             path = None  # the holder is told: it keeps its older replicas
         for round_ in range(self.replicas):
             sender = _Sender(path, step, self.holders[self.rank][round_], self._group)
@@ -254,7 +266,9 @@ class PeerSnapshots:
         """
         self._check_open()
         self.wait()
-        own = self.checkpointer.steps()
+        started = time.perf_counter()
+        timings: dict[str, float] = {}
+        own = self.checkpointer.steps(tiers=True)
         held = {
             ward: [info.step for info in list_checkpoints(self._storage, root)]
             for ward, root in self._replica_roots.items()
@@ -265,20 +279,26 @@ class PeerSnapshots:
         owners = {rank: set(entry[0]) for rank, entry in enumerate(gathered)}
         replicas = {rank: {int(w): set(s) for w, s in entry[1].items()} for rank, entry in enumerate(gathered)}
         floor = gathered[0][2]
+        _lap(timings, "list", started)
         for step in self._common_steps(owners, replicas):
             if floor is not None and floor > step:
                 break
             peer = self._fetch_missing(step, owners, replicas)
-            restored = self._load_everywhere(step, into, verify)
+            _lap(timings, "fetch", started)
+            restored = self._load_everywhere(step, into, verify, timings, started)
             if restored is not None:
-                source = "memory" if peer is None else "replica"
+                last = self.checkpointer.last_load
+                tier = last.tier if last is not None else 0
+                source = "replica" if peer is not None else "memory" if tier == 0 else "tier"
                 logger.info("ckptd: rank %s restored step %s from %s", self.rank, step, source)
-                return PeerRestore(step, source, peer, restored[0])
+                return PeerRestore(step, source, peer, restored[0], timings, tier)
         if fallback is None:
             return None
         state = fallback.load("latest", into=into, verify=verify)
+        _lap(timings, "fallback", started)
         last = fallback.last_load
-        return PeerRestore(last.step if last is not None and last.step is not None else -1, "fallback", None, state)
+        step = last.step if last is not None and last.step is not None else -1
+        return PeerRestore(step, "fallback", None, state, timings)
 
     def _common_steps(self, owners: dict[int, set[int]], replicas: dict[int, dict[int, set[int]]]) -> list[int]:
         reachable = []
@@ -311,22 +331,37 @@ class PeerSnapshots:
                 mine = holder
         return mine
 
-    def _load_everywhere(self, step: int, into: Mapping[str, Any] | None, verify: bool) -> tuple[Any] | None:
+    def _load_everywhere(
+        self, step: int, into: Mapping[str, Any] | None, verify: bool, timings: dict[str, float], started: float
+    ) -> tuple[Any] | None:
+        """Load ``step`` on every rank; the state (``None`` with ``into``) if every rank did.
+
+        Tensors that ``into`` holds directly (a module's parameters and buffers, the tensors of
+        a mapping; a DTensor's local piece) are filled in place by the load; the rest (an
+        optimizer, a scheduler, other values) is loaded first and handed over afterwards, only
+        once every rank has succeeded."""
+        in_place, rest = split_targets(into) if into is not None else ({}, None)
         state, problem = None, None
         try:
-            state = self.checkpointer.load(step, verify=verify)
+            if in_place:
+                self.checkpointer.load(step, into=in_place, verify=verify)
+            if rest is None or rest:
+                components = list(rest) if rest else None
+                state = self.checkpointer.load(step, components=components, verify=verify)
         except CkptdError as e:
             problem = f"rank {self.rank}: {e}"
+        _lap(timings, "load", started)
         problems: list[Any] = [None] * self.world
         dist.all_gather_object(problems, problem, group=self._group)
+        _lap(timings, "agree", started)
         failed = [p for p in problems if p is not None]
         if failed:
             logger.warning("ckptd: step %s is not restored from memory: %s", step, "; ".join(failed))
             return None
-        if into is not None:
-            restore_into(cast(Mapping[str, Any], state), into)
-            return (None,)
-        return (state,)
+        if rest:
+            restore_into(cast(Mapping[str, Any], state), rest)
+            _lap(timings, "assign", started)
+        return (None,) if into is not None else (state,)
 
     # ---- closing -------------------------------------------------------------------------
 
@@ -384,6 +419,23 @@ class _Sender:
         if self._error is not None:
             raise ReplicationError(f"sending a snapshot failed: {self._error}") from self._error
         return self._sent
+
+
+def rank_tiers(tiers: Iterable[Tier], rank: int) -> list[Tier]:
+    """Each tier with ``{rank}`` in its root replaced by this rank's number (5 digits); a tier
+    without ``{rank}`` would have every rank write the same checkpoint: a :class:`ConfigError`."""
+    out = []
+    for tier in tiers:
+        if not isinstance(tier, Tier) or "{rank}" not in tier.root:
+            raise ConfigError(
+                f"PeerSnapshots tiers are per rank: each root must name {{rank}} (got {getattr(tier, 'root', tier)!r})"
+            )
+        out.append(dataclasses.replace(tier, root=tier.root.replace("{rank}", f"{rank:05d}")))
+    return out
+
+
+def _lap(timings: dict[str, float], phase: str, started: float) -> None:
+    timings[phase] = time.perf_counter() - started
 
 
 def _tree_bytes(root: str) -> int:

@@ -26,7 +26,7 @@ from ..errors import CorruptCheckpointError
 from ..formats.checksum import format_crc
 from ..formats.manifest import MANIFEST_NAME, Manifest
 from ..formats.names import checkpoint_dir_name
-from ..save.commit import open_staging, publish
+from ..save.commit import publish, staging_directory
 from ..storage import Storage
 
 __all__ = ["PIECE", "Received", "receive_checkpoint", "send_checkpoint"]
@@ -93,8 +93,7 @@ def receive_checkpoint(storage: Storage, root: str, src: int, group: Any) -> Rec
     except (CorruptCheckpointError, ValueError) as e:
         problem = str(e)
     storage.makedirs(root)
-    staging, held = open_staging(storage, final, overwrite=True)
-    try:
+    with staging_directory(storage, final, overwrite=True) as staging:
         received = 0
         buffer = torch.empty(PIECE, dtype=torch.uint8)
         for name, size in files:
@@ -123,12 +122,6 @@ def receive_checkpoint(storage: Storage, root: str, src: int, group: Any) -> Rec
         storage.write_bytes(storage.join(staging, MANIFEST_NAME), manifest_bytes)
         publish(storage, staging, final, overwrite=True, replace_any=True)
         return Received(step, final, received)
-    except BaseException:
-        storage.discard(staging)
-        raise
-    finally:
-        if held is not None:
-            held.release()
 
 
 def _check_listing(manifest: Manifest, files: list[list[Any]]) -> str | None:

@@ -8,13 +8,14 @@ last, is the commit point.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,10 +49,10 @@ __all__ = [
     "check_destination",
     "check_object_prefix",
     "claim_step",
-    "open_staging",
     "combine_pieces",
     "finalize_checkpoint",
     "publish",
+    "staging_directory",
     "write_descriptions",
     "write_small_file",
 ]
@@ -89,20 +90,32 @@ def claim_step(storage: Storage, final_dir: str, *, overwrite: bool, replace_any
         storage.remove(storage.join(final_dir, MANIFEST_NAME))
 
 
-def open_staging(storage: Storage, final: str, *, overwrite: bool) -> tuple[str, liveness.Hold | None]:
-    """Where a checkpoint for ``final`` is written before :func:`publish`, and the lock on it.
+@contextlib.contextmanager
+def staging_directory(storage: Storage, final: str, *, overwrite: bool) -> Iterator[str]:
+    """Where a checkpoint for ``final`` is written before :func:`publish`: removed if the block
+    raises, and its lock released when the block ends.
 
     Local: a hidden directory beside ``final`` (a name :func:`~ckptd.garbage.collect_garbage`
     knows), created and locked by this process until it is published or discarded.  Object
     stores: ``final`` itself, claimed first (:func:`claim_step`); no lock.
     """
+    held: liveness.Hold | None = None
     if storage.local:
         parent, base = os.path.split(final)
         staging = os.path.join(parent, leftover_name(base, "tmp"))
-        return staging, liveness.hold_new_directory(staging, storage.makedirs)
-    claim_step(storage, final, overwrite=overwrite)
-    storage.makedirs(final)
-    return final, None
+        held = liveness.hold_new_directory(staging, storage.makedirs)
+    else:
+        claim_step(storage, final, overwrite=overwrite)
+        storage.makedirs(final)
+        staging = final
+    try:
+        yield staging
+    except BaseException:
+        storage.discard(staging)
+        raise
+    finally:
+        if held is not None:
+            held.release()
 
 
 @dataclass(frozen=True)

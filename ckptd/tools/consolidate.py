@@ -17,7 +17,7 @@ from ..formats.manifest import FileRecord, Manifest, TensorRecord
 from ..formats.names import shard_file_name
 from ..load.reader import CheckpointReader
 from ..options import DEFAULT_MAX_SHARD_SIZE, parse_size
-from ..save.commit import ComponentInfo, check_destination, check_object_prefix, finalize_checkpoint, open_staging
+from ..save.commit import ComponentInfo, check_destination, check_object_prefix, finalize_checkpoint, staging_directory
 from ..save.layout import WriteItem, bucket_items, plan_file
 from ..save.tensor_files import write_layout
 from ..storage import normalize_location, storage_for
@@ -68,8 +68,7 @@ def consolidate(
     if verify:
         reader.verify()
     started = time.perf_counter()
-    staging, held = open_staging(storage, final, overwrite=overwrite)
-    try:
+    with staging_directory(storage, final, overwrite=overwrite) as staging:
         written: dict[str, FileRecord] = {}
         tensors: dict[str, dict[str, TensorRecord]] = {}
         for name, component in manifest.components.items():
@@ -111,9 +110,3 @@ def consolidate(
             world_size=1,
             overwrite=overwrite,
         )
-    except BaseException:
-        storage.discard(staging)
-        raise
-    finally:
-        if held is not None:
-            held.release()

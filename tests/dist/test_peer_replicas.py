@@ -253,3 +253,44 @@ def test_a_dtensor_and_its_optimizer_restore_from_a_replica_as_dtensors(tmp_path
     for rank in (0, 1):
         assert_same(saved[0]["weight"], restored[rank]["weight"], f"rank {rank} weight")
         assert_same(saved[0]["momentum"], restored[rank]["momentum"], f"rank {rank} momentum")
+
+
+def tiered_job(rank: int, world: int, base: str, phase: str) -> dict[str, Any]:
+    """Snapshots in memory with a per-rank local tier ("node-local disk") every step."""
+    be_host(base, rank)
+    tiers = [ckptd.Tier(os.path.join(base, "nvme", "{rank}"), every=1, keep_last=2)]
+    hold = 120 if phase == "save" else 0.5
+    with PeerSnapshots(NAME, replicas=1, hold_after_exit=hold, timeout=60, tiers=tiers) as snapshots:
+        keepers = [lease.keeper_pid for lease in snapshots._leases] + [snapshots.checkpointer._lease.keeper_pid]
+        if phase == "save":
+            for step in (1, 2):
+                snapshots.save(step, rank_state(rank, step))
+            snapshots.checkpointer.wait_promotions()
+            return {"keepers": keepers}
+        targets = blank_targets()
+        result = snapshots.restore(into=targets)
+    state = {"model": targets["model"].state_dict(), "rng": targets["rng"], "progress": targets["progress"]}
+    return {"keepers": keepers, "result": result, "state": state}
+
+
+def test_a_rank_whose_memory_is_gone_but_whose_local_tier_is_not_restores_from_that_tier(tmp_path):
+    base = str(tmp_path)
+    saved = run_ranks(2, tiered_job, base, "save")
+    assert sorted(os.listdir(os.path.join(base, "nvme", "00001"))) == ["checkpoint-1", "checkpoint-2"]
+    lose_host(base, 1, saved[1]["keepers"])  # the host rebooted: memory gone, its disk kept
+    restored = run_ranks(2, tiered_job, base, "restore")
+    finish(restored)
+    first, second = restored[0]["result"], restored[1]["result"]
+    assert (first.step, first.source, first.tier) == (2, "memory", 0)
+    assert (second.step, second.source, second.tier, second.peer) == (2, "tier", 1, None)
+    assert {"list", "fetch", "load", "agree", "assign"} <= set(second.timings)
+    for rank in (0, 1):
+        assert_same(expected(rank, 2), restored[rank]["state"], f"rank {rank}")
+
+
+def test_a_tier_root_without_rank_is_refused():
+    from ckptd.replicas.snapshots import rank_tiers
+
+    with pytest.raises(ckptd.errors.ConfigError, match="must name"):
+        rank_tiers([ckptd.Tier("/nvme/run")], 0)
+    assert rank_tiers([ckptd.Tier("/nvme/run/{rank}")], 3)[0].root == "/nvme/run/00003"
