@@ -294,3 +294,40 @@ def test_a_tier_root_without_rank_is_refused():
     with pytest.raises(ckptd.errors.ConfigError, match="must name"):
         rank_tiers([ckptd.Tier("/nvme/run")], 0)
     assert rank_tiers([ckptd.Tier("/nvme/run/{rank}")], 3)[0].root == "/nvme/run/00003"
+
+
+def peer_dies(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Both ranks replicate step 1; rank 1 then dies (SIGKILL); rank 0 saves step 2."""
+    be_host(base, rank)
+    snapshots = PeerSnapshots(NAME, replicas=1, hold_after_exit=0.5, timeout=20)
+    snapshots.save(1, rank_state(rank, 1))
+    if rank == 1:
+        with open(os.path.join(base, "rank-1.json"), "w") as f:
+            keepers = [lease.keeper_pid for lease in snapshots._leases] + [snapshots.checkpointer._lease.keeper_pid]
+            json.dump({"writer": snapshots.checkpointer.writer_pid, "keepers": keepers}, f)
+        os.kill(os.getpid(), signal.SIGKILL)
+    request = snapshots.async_save(2, rank_state(rank, 2))
+    committed = request.result().step
+    try:
+        snapshots.wait(timeout=60)
+        error = None
+    except ckptd.errors.ReplicationError as e:
+        error = str(e)
+    own = snapshots.checkpointer.steps()
+    loaded = snapshots.checkpointer.load(2)
+    keepers = [lease.keeper_pid for lease in snapshots._leases] + [snapshots.checkpointer._lease.keeper_pid]
+    snapshots.close()
+    return {"committed": committed, "error": error, "own": own, "loaded": loaded, "keepers": keepers}
+
+
+def test_a_peer_that_dies_fails_the_replication_with_our_error_and_the_own_snapshot_stays(tmp_path):
+    base = str(tmp_path)
+    outcome = run_ranks(2, peer_dies, base, expect_dead={1})[0]
+    with open(os.path.join(base, "rank-1.json")) as f:
+        dead = json.load(f)
+    wait_for(lambda: not pid_alive(dead["writer"]), timeout=30)
+    assert outcome["committed"] == 2
+    assert outcome["error"] is not None and "step 2" in outcome["error"], outcome["error"]
+    assert outcome["own"] == [1, 2], "the rank's own snapshot of step 2 is committed all the same"
+    assert_same(expected(0, 2)["rng"], outcome["loaded"]["rng"])
+    finish({0: outcome, 1: dead})  # the dead rank's memory is released after its 0.5 s hold too
