@@ -8,6 +8,7 @@ checkpoints retention keeps is :mod:`ckptd.retention`'s.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -20,6 +21,7 @@ from .formats.manifest import Manifest, is_foreign_manifest
 from .formats.names import (
     CLAIM_NAME,
     MANIFEST_NAME,
+    SPARE_NAME,
     checkpoint_dir_name,
     leftover_name,
     parse_step,
@@ -43,6 +45,7 @@ __all__ = [
     "parse_step",
     "read_manifest",
     "remove_checkpoint",
+    "retire_to_spare",
     "sibling_checkpoint",
     "staging_dir_name",
 ]
@@ -199,6 +202,26 @@ def discard_directory(storage: Storage, path: str, label: str | None = None) -> 
     except FileNotFoundError:
         return  # already gone
     storage.remove_tree(hidden)
+
+
+def retire_to_spare(storage: LocalStorage, root: str, path: str) -> None:
+    """Remove the checkpoint at ``path`` of a held-memory ``root`` by making its files the
+    root's spare (:data:`~ckptd.formats.names.SPARE_NAME`, replacing an older spare), for the
+    next save to reuse their pages.  Atomic as :func:`remove_checkpoint`: the directory is renamed
+    aside first (it stops being a checkpoint at once), its manifest is removed (the spare can never
+    be taken for a checkpoint), then it becomes the spare."""
+    parent, base = os.path.split(path)
+    aside = os.path.join(parent, leftover_name(base, "deleting"))  # gc removes it after a crash
+    storage.rename_directory(path, aside)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(aside, MANIFEST_NAME))
+    spare = os.path.join(root, SPARE_NAME)
+    if os.path.lexists(spare):
+        discard_directory(storage, spare, label="ckptd-spare")
+    try:
+        os.rename(aside, spare)
+    except OSError:  # another retirement won the name: this one is only deleted
+        discard_directory(storage, aside)
 
 
 def remove_checkpoint(storage: Storage, path: str) -> None:

@@ -18,10 +18,11 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .catalog import CheckpointInfo, ManifestCache, list_checkpoints, remove_checkpoint
+from .catalog import CheckpointInfo, ManifestCache, list_checkpoints, remove_checkpoint, retire_to_spare
 from .errors import ConfigError
 from .formats.manifest import Manifest
 from .storage import Storage, base_name
+from .storage.local import LocalStorage
 
 __all__ = [
     "CheckpointPolicy",
@@ -214,12 +215,14 @@ def apply_retention(
     keep_last: int,
     run: RunRecord | None = None,
     cache: ManifestCache | None = None,
+    spare: bool = False,
 ) -> list[str]:
     """Keep the ``keep_last`` newest checkpoints of the run's timeline (:class:`RunRecord`;
     without one, by step), plus those in use by saves in flight, plus any whose files a kept
     checkpoint of an older version references; delete the others, newest first (so a crash
     never leaves an older version's checkpoint whose referenced files are gone).  Returns the
-    paths removed."""
+    paths removed.  With ``spare`` (a local held-memory root) the newest one removed becomes the
+    root's spare (:func:`~ckptd.catalog.retire_to_spare`): the next save reuses its pages."""
     run = run or RunRecord()
     with run.lock:
         checkpoints = run.ordered(list_checkpoints(storage, root, cache))
@@ -228,11 +231,14 @@ def apply_retention(
     doomed = [info for info in checkpoints[:cut] if info.path not in in_use]
     kept = [info for info in checkpoints if info not in doomed]
     referenced = legacy_references(info.manifest for info in kept)
-    removed = []
+    removed: list[str] = []
     for info in reversed(doomed):
         if base_name(info.path) in referenced:
             continue
-        remove_checkpoint(storage, info.path)
+        if spare and not removed and isinstance(storage, LocalStorage):
+            retire_to_spare(storage, root, info.path)
+        else:
+            remove_checkpoint(storage, info.path)
         removed.append(info.path)
     if removed:
         newest = checkpoints[-1]

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from typing import Any
@@ -222,6 +223,66 @@ def test_drop_is_refused_while_a_trainer_uses_the_root_and_frees_it_otherwise(tm
     wait_for(lambda: not _alive(described.keeper_pid), timeout=30)  # the keeper saw it go
     with pytest.raises(ckptd.errors.CheckpointNotFoundError):
         ckptd.drop_held(name)
+
+
+def _shard_inodes(root: str, step: int) -> set[int]:
+    directory = os.path.join(root, f"checkpoint-{step}")
+    return {os.stat(os.path.join(directory, n)).st_ino for n in os.listdir(directory) if n.endswith(".safetensors")}
+
+
+def test_a_save_reuses_the_pages_of_the_checkpoint_retention_dropped(tmp_path):
+    name = _name()
+    try:
+        with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=300, keep_last=2) as ckpt:
+            inodes = {}
+            for step in (1, 2, 3, 4, 5):
+                ckpt.save(step, _state(step, "big"))
+                inodes[step] = _shard_inodes(ckpt.root, step)
+            assert ckpt.steps() == [4, 5]
+            spare = os.path.join(ckpt.root, ".ckptd-spare")
+            assert "checkpoint_manifest.json" not in os.listdir(spare), "a spare is never a checkpoint"
+            assert inodes[4] == inodes[1] and inodes[5] == inodes[2], "step 4 took step 1's files, step 5 step 2's"
+            assert not inodes[3] & inodes[1], "step 3 was written before any checkpoint was dropped"
+            for step in (4, 5):
+                assert_same(_state(step, "big"), ckpt.load(step, verify=True))
+    finally:
+        ckptd.drop_held(name, force=True)
+
+
+def test_reads_of_a_checkpoint_whose_pages_are_being_reused_return_it_whole_or_say_it_was_replaced(tmp_path):
+    name = _name()
+    seen: dict[str, int] = {"whole": 0, "replaced": 0}
+    wrong: list[str] = []
+    try:
+        with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=300, keep_last=2) as ckpt:
+            ckpt.save(1, _state(1, "big"))
+            ckpt.save(2, _state(2, "big"))
+            reader = ckptd.CheckpointReader.open(ckpt.path_for(1))
+            want = _state(1, "big")["model"]
+
+            def read_step_1() -> None:  # until it is told step 1 is gone: after save 4, at the latest
+                for _ in range(100_000):
+                    try:
+                        got = reader.read("model")
+                    except ckptd.errors.CheckpointReplacedError:
+                        seen["replaced"] += 1
+                        return
+                    if all(torch.equal(got[k], v) for k, v in want.items()):
+                        seen["whole"] += 1
+                    else:
+                        wrong.append("a read returned bytes that are not step 1's")
+
+            thread = threading.Thread(target=read_step_1)
+            thread.start()
+            for step in (3, 4):  # 3 makes step 1 the spare, 4 overwrites its files
+                ckpt.save(step, _state(step, "big"))
+            thread.join(60)
+            reader.close()
+            assert _shard_inodes(ckpt.root, 4) and ckpt.steps() == [3, 4]
+    finally:
+        ckptd.drop_held(name, force=True)
+    assert not wrong, wrong
+    assert seen["replaced"] == 1, seen  # the reader learned step 1 is gone, and never read step 4 as step 1
 
 
 def test_a_private_directory_that_is_not_private_is_refused(tmp_path, monkeypatch):

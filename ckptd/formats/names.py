@@ -23,6 +23,7 @@ __all__ = [
     "METRICS_NAME",
     "SAFETENSORS_INDEX",
     "SAFETENSORS_SINGLE",
+    "SPARE_NAME",
     "STATE_NAME",
     "TORCH_BIN_INDEX",
     "TIERS_RECORD_NAME",
@@ -54,6 +55,9 @@ LEGACY_METRICS_NAME = "metrics.json"
 TIERS_RECORD_NAME = ".ckptd-tiers.json"
 """Beside the checkpoints of a root: the slower tiers of the last Checkpointer that saved there
 with ``tiers`` (roots, cadence, retention; never credentials), which ``ckptd ls`` lists too."""
+SPARE_NAME = ".ckptd-spare"
+"""In a held-memory root: the files of the newest checkpoint retention dropped (its manifest
+removed), whose pages the next save's files reuse instead of allocating and clearing new ones."""
 CLAIM_NAME = ".ckptd-claim"
 """Object stores: the create-only object that claims a checkpoint prefix before any shard."""
 

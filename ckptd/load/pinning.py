@@ -40,6 +40,7 @@ from ..formats.json_files import check_listed, json_limit, read_listed_file, rea
 from ..formats.manifest import FileRecord
 from ..formats.names import MANIFEST_NAME
 from ..storage import Storage, check_file_name
+from ..storage.held import in_held_memory
 from ..storage.local_read import LocalReader, PinnedDirectory
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class OneVersion:
         self._closed = False
         self._listings: dict[tuple[str | None, str], dict[str, int]] = {}
         self._size_checked: set[str] = set()
+        self._held = storage.local and in_held_memory(directory)
 
     @classmethod
     def open(cls, storage: Storage, directory: str) -> OneVersion:
@@ -228,9 +230,12 @@ class OneVersion:
 
     def check_unchanged(self) -> None:
         """Raise :class:`CheckpointReplacedError` if the manifest's stamp changed since
-        :meth:`take_stamp` (one ``HEAD``).  Nothing to do locally: what was read came from the
-        pinned directories, one version, even if it has been replaced since."""
-        if not self.storage.local and self.replaced():
+        :meth:`take_stamp` (one ``HEAD``).  Locally what was read came from the pinned
+        directories, one version, even if it has been replaced since; except in a held-memory
+        root, whose retired checkpoint's files the next save overwrites (their pages are reused,
+        :data:`~ckptd.formats.names.SPARE_NAME`): there a pinned directory no longer at its path
+        is a replacement too (it is renamed away before any of its files is reused)."""
+        if (not self.storage.local or self._held) and self.replaced():
             raise CheckpointReplacedError(
                 f"{self.directory}: replaced (overwritten or deleted) while it was read: its {MANIFEST_NAME} is not "
                 "the one the read began with; load it again"

@@ -240,8 +240,8 @@ class PeerSnapshots:
     # ---- memory --------------------------------------------------------------------------
 
     def held_bytes(self) -> dict[str, int]:
-        """Bytes of memory this rank's snapshots (``own``) and the replicas it holds
-        (``replicas``) take now."""
+        """Bytes of memory this rank's snapshots (``own``, with the spare whose pages its next
+        save reuses) and the replicas it holds (``replicas``) take now."""
         replicas = sum(_tree_bytes(root) for root in self._replica_roots.values())
         return {"own": _tree_bytes(self.checkpointer.root), "replicas": replicas}
 

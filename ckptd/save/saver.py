@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -33,12 +34,14 @@ from ..catalog import ManifestCache
 from ..dist.group import DistContext
 from ..errors import ConfigError, WriterError
 from ..formats.manifest import Manifest
+from ..formats.names import SPARE_NAME
 from ..options import MIN_STREAM_CHUNKS, CheckpointerOptions
 from ..request import SaveRequest, SaveResult
 from ..retention import RunRecord, apply_retention
 from ..stats import new_recorder
 from ..storage import Storage
 from ..storage.cleanup import Cleanup
+from ..storage.held import in_held_memory
 from ..storage.liveness import Hold, hold_new_directory
 from ..storage.retry import retries_of
 from ..writer.client import InProcessWriter, WriterClient
@@ -190,13 +193,19 @@ class Saver:
         # Parsed manifests of the root, for retention after each commit (here, on the completion
         # thread, or a CheckpointManager's); each commit leaves its own manifest in it.
         self.listed = ManifestCache()
+        # A held-memory root keeps the newest checkpoint retention drops as its spare, and each
+        # save's files reuse its pages (allocating and clearing new tmpfs pages costs the writer
+        # about as much CPU again as the copy itself).
+        self.recycles = storage.local and in_held_memory(root)
 
     def apply_keep_last(self) -> None:
         """``keep_last`` once more, on the coordinator: the checkpoints it kept while they were
         being copied to slower tiers go once the copies are done (at close)."""
         if self.options.keep_last is None or (self.dist is not None and not self.dist.is_coordinator):
             return
-        removed = apply_retention(self.storage, self.root, self.options.keep_last, self.run, self.listed)
+        removed = apply_retention(
+            self.storage, self.root, self.options.keep_last, self.run, self.listed, spare=self.recycles
+        )
         if removed:
             logger.info("ckptd: keep_last=%d removed %s", self.options.keep_last, ", ".join(removed))
 
@@ -581,6 +590,7 @@ class Saver:
         compare = job.arena is None or not job.arena.streamed
         files: list[FileSpec] = []
         copies: list[CopySpec] = []
+        spares = self._spare_files()
         for p in job.rank_plan.pieces:
             reused = job.reuse.reused.get(p.file_name)
             if reused is not None:
@@ -589,6 +599,7 @@ class Saver:
                     copies.append(CopySpec(p.file_name, reused.source, reused.size, crc, reused.digest))
                 continue
             hashed = job.reuse.hashed.get(p.file_name) if p.whole_file and compare else None
+            recycle = spares.get(p.file_name) if p.whole_file and hashed is None else None
             files.append(
                 FileSpec(
                     p.file_name,
@@ -599,9 +610,23 @@ class Saver:
                     digest=hash_mode and p.whole_file,
                     unchanged_if=hashed.digest if hashed is not None else None,
                     source=hashed.source if hashed is not None else None,
+                    recycle=recycle[0] if recycle is not None and recycle[1] <= p.size else None,
                 )
             )
         return files, copies
+
+    def _spare_files(self) -> dict[str, tuple[str, int]]:
+        """A held-memory root's spare files (``{name: (path, size)}``), whose pages this save's
+        files of the same names reuse (empty elsewhere)."""
+        if not self.recycles:
+            return {}
+        directory = os.path.join(self.root, SPARE_NAME)
+        try:
+            with os.scandir(directory) as entries:
+                files = [entry for entry in entries if entry.is_file(follow_symlinks=False)]
+                return {entry.name: (entry.path, entry.stat(follow_symlinks=False).st_size) for entry in files}
+        except OSError:
+            return {}
 
     def _release_reuse(self, job: SaveJob) -> None:
         """The save no longer reads the checkpoint it takes files from (once per save)."""
@@ -663,7 +688,9 @@ class Saver:
             self.on_commit(job.request.step, path, self.run, job.overwrite)  # slower tiers (ckptd.tiers)
         if manifest is not None:
             if self.options.keep_last is not None:
-                removed = apply_retention(self.storage, self.root, self.options.keep_last, self.run, self.listed)
+                removed = apply_retention(
+                    self.storage, self.root, self.options.keep_last, self.run, self.listed, spare=self.recycles
+                )
                 if removed:
                     logger.info("ckptd: keep_last=%d removed %s", self.options.keep_last, ", ".join(removed))
             job.request.timings.update(manifest.timings)

@@ -7,6 +7,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Callable, Iterable
 
 from ..errors import CheckpointExistsError, StorageError
@@ -102,10 +103,15 @@ class LocalStorage:
         chunk_size: int,
         should_stop: Callable[[], bool],
         on_progress: Callable[[int], None],
+        recycle: str | None = None,
     ) -> None:
-        """Write ``view`` as the whole file at ``path`` (the partial file is removed on failure)."""
+        """Write ``view`` as the whole file at ``path`` (the partial file is removed on failure).
+
+        ``recycle``: a file no larger than ``view`` whose pages to reuse (a held-memory root's
+        spare): renamed to ``path`` and overwritten in place; if it is gone (another writer took
+        it), the file is created as usual."""
         try:
-            self._write(path, 0, view, True, fsync, chunk_size, should_stop, on_progress)
+            self._write(path, 0, view, True, fsync, chunk_size, should_stop, on_progress, recycle)
         except BaseException:
             self.remove(path)
             raise
@@ -134,11 +140,15 @@ class LocalStorage:
         chunk_size: int,
         should_stop: Callable[[], bool],
         on_progress: Callable[[int], None],
+        recycle: str | None = None,
     ) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
         direct = self.tuning.direct_io and whole and hasattr(os, "O_DIRECT") and chunk_size % DIRECT_ALIGNMENT == 0
         try:
-            if whole:
+            fd = _recycled(recycle, path, len(view)) if recycle is not None and whole else None
+            if fd is not None:
+                direct = False  # a tmpfs: no O_DIRECT there
+            elif whole:
                 fd = create_new(path, flags | (os.O_DIRECT if direct else 0))
             else:
                 fd = os.open(path, flags, 0o644)
@@ -379,3 +389,23 @@ class LocalStorage:
             return False
         self.fsync_directory(os.path.dirname(final) or ".")
         return True
+
+
+def _recycled(spare: str, path: str, size: int) -> int | None:
+    """``spare`` renamed to ``path`` (which must not exist) and opened for writing, grown to
+    ``size``; ``None`` if it is gone or larger than ``size`` (a file never shrinks under a reader
+    that may have it mapped: that would be SIGBUS there)."""
+    try:
+        info = os.lstat(spare)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > size or os.path.lexists(path):
+            return None
+        os.rename(spare, path)
+    except FileNotFoundError:
+        return None
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

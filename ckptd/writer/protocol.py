@@ -71,7 +71,9 @@ class FileSpec:
     manifest, for the next save to compare with).  ``unchanged_if`` (``"sha256:<hex>"``) and
     ``source``: the file ``source`` of the last committed checkpoint has that digest; if these
     bytes have it too, ``name`` is made from ``source`` (a link or server-side copy) instead of
-    being written."""
+    being written.  ``recycle``: a file of a retired checkpoint of a held-memory root (its
+    spare, ``.ckptd-spare``) no larger than ``size``, renamed into place and overwritten: its
+    pages are reused instead of new ones allocated and cleared (a whole file only)."""
 
     name: str
     arena_offset: int
@@ -81,6 +83,7 @@ class FileSpec:
     digest: bool = False
     unchanged_if: str | None = None
     source: str | None = None
+    recycle: str | None = None
 
 
 @dataclass(frozen=True)

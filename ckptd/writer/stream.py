@@ -302,7 +302,17 @@ def _store(
 ) -> None:
     """Write ``data`` as ``spec`` says: the whole file (``before_chunk`` polled before each
     chunk), or its piece of a file several ranks write into."""
-    if spec.whole_file:
+    if spec.whole_file and spec.recycle is not None and isinstance(storage, LocalStorage):
+        storage.write_view(
+            path,
+            data,
+            fsync=fsync,
+            chunk_size=request.chunk_size,
+            should_stop=before_chunk,
+            on_progress=on_progress,
+            recycle=spec.recycle,
+        )
+    elif spec.whole_file:
         storage.write_view(
             path, data, fsync=fsync, chunk_size=request.chunk_size, should_stop=before_chunk, on_progress=on_progress
         )

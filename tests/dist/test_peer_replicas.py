@@ -121,6 +121,16 @@ def restore(rank: int, world: int, base: str, fallback: str | None, hold: float)
     }
 
 
+def committed_bytes(root: str) -> int:
+    """Bytes of the committed checkpoints under ``root``."""
+    return sum(
+        os.path.getsize(os.path.join(root, name, f))
+        for name in os.listdir(root)
+        if name.startswith("checkpoint-")
+        for f in os.listdir(os.path.join(root, name))
+    )
+
+
 def lose_host(base: str, rank: int, keepers: list[int]) -> None:
     """The host of ``rank`` is gone: its keepers are killed, its memory with it."""
     for pid in keepers:
@@ -153,8 +163,12 @@ def test_a_lost_host_s_rank_restores_from_its_peer_s_replica_bit_for_bit(tmp_pat
         root = os.path.join(base, f"host-{rank}", f"ckptd-{os.getuid()}")
         peer = 1 - rank
         assert sorted(os.listdir(os.path.join(root, f"{NAME}.replica-{peer:05d}"))) == ["checkpoint-2", "checkpoint-3"]
-        # each host holds its own two snapshots and its peer's two: the same bytes
-        assert saved[rank]["held"]["replicas"] == saved[peer]["held"]["own"] > 0
+        # each host holds its own two snapshots and its peer's two: the same bytes (own memory
+        # also holds a spare, the dropped step 1, whose pages the next save reuses)
+        replicas = committed_bytes(os.path.join(root, f"{NAME}.replica-{peer:05d}"))
+        own = committed_bytes(os.path.join(base, f"host-{peer}", f"ckptd-{os.getuid()}", f"{NAME}.rank-{peer:05d}"))
+        assert replicas == own > 0
+        assert saved[rank]["held"]["replicas"] == replicas and saved[rank]["held"]["own"] > own
     lose_host(base, 1, saved[1]["keepers"])
 
     restored = run_ranks(2, restore, base, None, 0.5)
