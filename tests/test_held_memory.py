@@ -249,6 +249,25 @@ def test_a_save_reuses_the_pages_of_the_checkpoint_retention_dropped(tmp_path):
         ckptd.drop_held(name, force=True)
 
 
+def test_files_an_incremental_save_linked_into_a_kept_checkpoint_are_never_reused(tmp_path):
+    name = _name()
+    table = torch.randn(512, 1024, generator=torch.Generator().manual_seed(7))
+    try:
+        with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=300, keep_last=2, incremental=True) as ckpt:
+            for step in (1, 2, 3):  # declared frozen: saves 2 and 3 link save 1's file of the table
+                ckpt.save(step, {**_state(step, "big"), "table": {"embed": table}}, frozen={"table": ["embed"]})
+            linked = os.stat(os.path.join(ckpt.root, ".ckptd-spare", "table-00001-of-00001.safetensors"))
+            assert linked.st_nlink == 3, "the spare (step 1) shares the table's file with steps 2 and 3"
+            before = table.clone()
+            table.add_(1.0)  # the table changes: save 4 writes the file a spare of that name holds
+            ckpt.save(4, {**_state(4, "big"), "table": {"embed": table}})
+            assert ckpt.steps() == [3, 4]
+            assert_same(before, ckpt.load(3, verify=True)["table"]["embed"])  # step 3 kept its bytes
+            assert_same(table, ckpt.load(4, verify=True)["table"]["embed"])
+    finally:
+        ckptd.drop_held(name, force=True)
+
+
 def test_reads_of_a_checkpoint_whose_pages_are_being_reused_return_it_whole_or_say_it_was_replaced(tmp_path):
     name = _name()
     seen: dict[str, int] = {"whole": 0, "replaced": 0}

@@ -23,6 +23,7 @@ import functools
 import gc
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -623,8 +624,13 @@ class Saver:
         directory = os.path.join(self.root, SPARE_NAME)
         try:
             with os.scandir(directory) as entries:
-                files = [entry for entry in entries if entry.is_file(follow_symlinks=False)]
-                return {entry.name: (entry.path, entry.stat(follow_symlinks=False).st_size) for entry in files}
+                files = [(entry, entry.stat(follow_symlinks=False)) for entry in entries]
+                # a file linked elsewhere too is a kept checkpoint's (an incremental save's link)
+                return {
+                    e.name: (e.path, info.st_size)
+                    for e, info in files
+                    if stat.S_ISREG(info.st_mode) and info.st_nlink == 1
+                }
         except OSError:
             return {}
 

@@ -393,11 +393,12 @@ class LocalStorage:
 
 def _recycled(spare: str, path: str, size: int) -> int | None:
     """``spare`` renamed to ``path`` (which must not exist) and opened for writing, grown to
-    ``size``; ``None`` if it is gone or larger than ``size`` (a file never shrinks under a reader
-    that may have it mapped: that would be SIGBUS there)."""
+    ``size``; ``None`` if it is gone, larger than ``size`` (a file never shrinks under a reader
+    that may have it mapped: that would be SIGBUS there) or linked elsewhere too."""
     try:
         info = os.lstat(spare)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > size or os.path.lexists(path):
+        # A file with other links is shared with a kept checkpoint (an incremental save linked it)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_size > size or os.path.lexists(path):
             return None
         os.rename(spare, path)
     except FileNotFoundError:
