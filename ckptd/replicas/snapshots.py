@@ -139,6 +139,7 @@ class PeerSnapshots:
             **overrides,
         )
         self._storage = self.checkpointer.storage
+        self._pins = self.checkpointer._saver.run  # the in-use pins retention honours (as promotions')
         self._leases: list[HoldLease] = []
         self._replica_roots: dict[int, str] = {}
         try:
@@ -169,7 +170,15 @@ class PeerSnapshots:
         :meth:`Checkpointer.async_save`, from which ``kwargs`` go); once it is committed it is
         copied to the replica holders in the background.  Every rank saves the same steps."""
         self._check_open()
-        request = self.checkpointer.async_save(step, local_state(state), **kwargs)
+        # Retention keeps the checkpoint until its replicas are sent: on a held root a dropped
+        # checkpoint's pages are reused by the next save, under the sender's open files.
+        path = self.checkpointer.path_for(step)
+        self._pins.acquire([path])
+        try:
+            request = self.checkpointer.async_save(step, local_state(state), **kwargs)
+        except BaseException:
+            self._pins.release([path])
+            raise
         with self._idle:
             self._pending += 1
         self._jobs.put((step, request))
@@ -205,6 +214,7 @@ class PeerSnapshots:
                 with self._idle:
                     self._errors.append(error)
             finally:
+                self._pins.release([self.checkpointer.path_for(step)])
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()

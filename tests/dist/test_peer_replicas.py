@@ -345,3 +345,37 @@ def test_a_peer_that_dies_fails_the_replication_with_our_error_and_the_own_snaps
     assert outcome["own"] == [1, 2], "the rank's own snapshot of step 2 is committed all the same"
     assert_same(expected(0, 2)["rng"], outcome["loaded"]["rng"])
     finish({0: outcome, 1: dead})  # the dead rank's memory is released after its 0.5 s hold too
+
+
+def saves_back_to_back(rank: int, world: int, base: str) -> dict[str, Any]:
+    """keep_last=1 and saves queued back to back: each step is dropped (and its pages reused by
+    the next save) while its replica may still be on its way."""
+    be_host(base, rank)
+    generator = torch.Generator().manual_seed(rank)
+    with PeerSnapshots(NAME, replicas=1, keep_last=1, hold_after_exit=0.5, timeout=60) as snapshots:
+        keepers = [lease.keeper_pid for lease in snapshots._leases] + [snapshots.checkpointer._lease.keeper_pid]
+        states = {}
+        for step in range(1, 7):
+            states[step] = {"model": {"w": torch.randn(4 << 20, generator=generator)}}
+            snapshots.async_save(step, states[step])
+        try:
+            snapshots.wait(timeout=120)
+            error = None
+        except ckptd.errors.ReplicationError as e:
+            error = str(e)
+        refused = list(snapshots.stats.refused)
+        replica = os.path.join(held_root_dir(), f"{NAME}.replica-{1 - rank:05d}")
+        held = sorted(os.listdir(replica))
+    return {"keepers": keepers, "error": error, "refused": refused, "held": held}
+
+
+def held_root_dir() -> str:
+    return os.path.join(os.environ["CKPTD_HELD_DIR"], f"ckptd-{os.getuid()}")
+
+
+def test_a_step_is_kept_until_its_replica_is_sent_though_retention_would_drop_it(tmp_path):
+    outcomes = run_ranks(2, saves_back_to_back, str(tmp_path))
+    finish(outcomes)
+    for outcome in outcomes.values():
+        assert outcome["error"] is None and outcome["refused"] == [], outcome
+        assert [n for n in outcome["held"] if n.startswith("checkpoint-")] == ["checkpoint-6"]
