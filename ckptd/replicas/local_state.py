@@ -8,6 +8,7 @@ schedulers) are saved as their state dicts and restored with ``load_state_dict``
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -19,11 +20,10 @@ __all__ = ["local_state", "restore_into", "split_targets"]
 
 
 def _dtensor_type() -> Any:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return None
-    return DTensor
+    """The DTensor class if ``torch.distributed.tensor`` is loaded (a state holding a DTensor has
+    loaded it), else ``None``: importing it only to find none costs 0.6 s on a fresh restore."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def local_state(value: Any) -> Any:
