@@ -24,7 +24,6 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, cast
 
@@ -42,43 +41,16 @@ from ..storage.held import held_name, held_path
 from ..tiers import Tier
 from ..writer.keeper import HoldLease
 from .local_state import local_state, restore_into, split_targets
+from .records import PeerRestore, ReplicationStats
 from .topology import node_name, replica_holders, wards
-from .transfer import Received, receive_checkpoint, send_checkpoint
+from .transfer import BackgroundSend, Received, receive_checkpoint, send_checkpoint
 
-__all__ = ["PeerRestore", "PeerSnapshots", "ReplicationStats"]
+__all__ = ["PeerSnapshots", "rank_tiers"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_REPLICATION_TIMEOUT = 600.0
 """Seconds a replication transfer may wait for its peer before the group gives up on it."""
-
-
-@dataclass(frozen=True)
-class PeerRestore:
-    """What :meth:`PeerSnapshots.restore` restored: the step; where this rank's snapshot came from
-    (``"memory"``: this host; ``"tier"``: one of the rank's own slower tiers, number ``tier``;
-    ``"replica"``: the peer ``peer``'s memory; ``"fallback"``: the fallback Checkpointer); the
-    state (``None`` when it went ``into`` the caller's objects); and ``timings``: seconds from the
-    call's start to the end of each phase (``list``, ``fetch``, ``load``, ``agree``, ``assign``;
-    ``fallback``), of the last step tried."""
-
-    step: int
-    source: str
-    peer: int | None = None
-    state: Any = None
-    timings: dict[str, float] = field(default_factory=dict)
-    tier: int | None = None
-
-
-@dataclass
-class ReplicationStats:
-    """What the replication has done and holds (:attr:`PeerSnapshots.stats`)."""
-
-    steps_sent: list[int] = field(default_factory=list)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    seconds: float = 0.0
-    refused: list[str] = field(default_factory=list)
 
 
 class PeerSnapshots:
@@ -209,7 +181,8 @@ class PeerSnapshots:
                 self._replicate(step, request)
             except BaseException as e:  # noqa: BLE001 - kept for wait(); training goes on
                 error = e if isinstance(e, ReplicationError) else ReplicationError(f"replication of step {step}: {e}")
-                error.__cause__ = e if error is not e else None
+                if error is not e:
+                    error.__cause__ = e
                 logger.warning("ckptd: rank %s: %s", self.rank, error)
                 with self._idle:
                     self._errors.append(error)
@@ -226,16 +199,17 @@ class PeerSnapshots:
             path: str | None = self.checkpointer.path_for(step)
         except Exception:  # noqa: BLE001 - the save's own error reaches its caller through result()
             path = None  # the holder is told: it keeps its older replicas
-        for round_ in range(self.replicas):
-            sender = _Sender(path, step, self.holders[self.rank][round_], self._group)
+        refused: list[str] = []
+        for round_ in range(self.replicas):  # every round, whatever was refused: the peers go on too
+            sender = BackgroundSend(path, step, self.holders[self.rank][round_], self._group)
             results = [self._receive(ward, step) for ward in wards(self.holders, self.rank, round_)]
             self.stats.bytes_sent += sender.join()
-            for result in results:
-                if result.error is not None:
-                    self.stats.refused.append(result.error)
-                    raise ReplicationError(result.error)
-        self.stats.steps_sent.append(step)
+            refused += [result.error for result in results if result.error is not None]
         self.stats.seconds += time.perf_counter() - started
+        if refused:
+            self.stats.refused += refused
+            raise ReplicationError("; ".join(refused))
+        self.stats.steps_sent.append(step)
 
     def _receive(self, ward: int, step: int) -> Received:
         root = self._replica_roots[ward]
@@ -404,31 +378,6 @@ class PeerSnapshots:
 
     def __exit__(self, *exc: object) -> None:
         self.close(wait=exc[0] is None)
-
-
-class _Sender:
-    """:func:`send_checkpoint` on a thread of its own, so that a rank sends to its holder while
-    it receives from its wards (a blocking send waits for the peer's receive)."""
-
-    def __init__(self, path: str | None, step: int, dst: int, group: Any) -> None:
-        self._sent = 0
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(path, step, dst, group), name="ckptd-replica-send", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, path: str | None, step: int, dst: int, group: Any) -> None:
-        try:
-            self._sent = send_checkpoint(path, step, dst, group)
-        except BaseException as e:  # noqa: BLE001 - raised by join()
-            self._error = e
-
-    def join(self) -> int:
-        self._thread.join()
-        if self._error is not None:
-            raise ReplicationError(f"sending a snapshot failed: {self._error}") from self._error
-        return self._sent
 
 
 def rank_tiers(tiers: Iterable[Tier], rank: int) -> list[Tier]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,14 +23,14 @@ import torch
 import torch.distributed as dist
 from crc32c import crc32c
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, ReplicationError
 from ..formats.checksum import format_crc
 from ..formats.manifest import MANIFEST_NAME, Manifest
 from ..formats.names import checkpoint_dir_name
 from ..save.commit import publish, staging_directory
 from ..storage import Storage
 
-__all__ = ["PIECE", "Received", "receive_checkpoint", "send_checkpoint"]
+__all__ = ["PIECE", "BackgroundSend", "Received", "receive_checkpoint", "send_checkpoint"]
 
 PIECE = 8 * 1024 * 1024
 """Bytes sent at a time: the memory a transfer holds on each side."""
@@ -179,3 +180,28 @@ def _receive_bytes(src: int, group: Any) -> bytes:
     if data.numel():
         dist.recv(data, src, group=group)
     return data.numpy().tobytes()
+
+
+class BackgroundSend:
+    """:func:`send_checkpoint` on a thread of its own, so that a rank sends to its holder while
+    it receives from its wards (a blocking send waits for the peer's receive)."""
+
+    def __init__(self, path: str | None, step: int, dst: int, group: Any) -> None:
+        self._sent = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(path, step, dst, group), name="ckptd-replica-send", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, path: str | None, step: int, dst: int, group: Any) -> None:
+        try:
+            self._sent = send_checkpoint(path, step, dst, group)
+        except BaseException as e:  # noqa: BLE001 - raised by join()
+            self._error = e
+
+    def join(self) -> int:
+        self._thread.join()
+        if self._error is not None:
+            raise ReplicationError(f"sending a snapshot failed: {self._error}") from self._error
+        return self._sent
