@@ -280,18 +280,74 @@ def goodput(interval_s: float, save_cost_s: float, restore_s: float, failures_pe
     return max(0.0, (1 - save_cost_s / interval_s) * (1 - rate * (interval_s / 2 + restore_s)))
 
 
+def measure_restores(
+    args: argparse.Namespace,
+    state: dict[str, torch.Tensor],
+    work: str,
+    s3: dict[str, Any] | None,
+    figures: dict[str, Any],
+) -> None:
+    """Parts 2-4: restores (memory after a SIGKILL, peer replicas, local tiers warm and cold, S3),
+    a tier copy alone, and memory into live tensors; into ``figures``."""
+    shapes = {k: list(v.shape) for k, v in state.items()}
+    # ---- restore from memory, after the trainer was killed -------------------------------
+    held, behind = f"shm://bench-recovery-{os.getpid()}-restore", os.path.join(work, "restore-behind")
+    trainer_killed_after_a_save(held, behind, args.size_mib)
+    try:
+        held_now = next(r.nbytes for r in ckptd.held_roots() if r.url == held)
+        figures.setdefault("held_bytes", {})["restore"] = held_now
+        for _ in range(args.rounds):
+            row = restore(held, [{"root": behind}], shapes)
+            if row["tier"] != 0:
+                raise SystemExit(f"the memory tier did not serve the restore: tier {row['tier']}")
+            figures["restore"].setdefault("memory tier 0 (trainer SIGKILLed)", []).append(row)
+    finally:
+        ckptd.drop_held(held, force=True)
+
+    figures["peers"] = peer_replica_rounds(args.size_mib, args.rounds)
+
+    # ---- restore -------------------------------------------------------------------------
+    fast, slow = os.path.join(work, "restore-fast"), os.path.join(work, "restore-slow")
+    tiers: list[ckptd.Tier] = [ckptd.Tier(slow)]
+    tier_args: list[dict[str, Any]] = [{"root": slow}]
+    if s3 is not None:
+        tiers.append(ckptd.Tier("s3://tiers/restore", storage_options=s3))
+        tier_args.append({"root": "s3://tiers/restore", "storage_options": s3})
+    with ckptd.Checkpointer(fast, tiers=tiers) as ckpt:
+        ckpt.save(7, {"model": state})
+    rows = figures["restore"]
+    files = [os.path.join(dirpath, n) for dirpath, _, names in os.walk(fast) for n in names]
+    for _ in range(args.rounds):
+        for path in files:  # warm: read once through the page cache
+            with open(path, "rb") as f:
+                while f.read(16 << 20):
+                    pass
+        rows.setdefault("local tier 0, page cache warm", []).append(restore(fast, tier_args, shapes))
+        drop_from_page_cache(files)
+        rows.setdefault("local tier 0, cold", []).append(restore(fast, tier_args, shapes))
+    os.rename(os.path.join(fast, "checkpoint-7"), os.path.join(work, "moved-away"))
+    for _ in range(args.rounds):
+        rows.setdefault("local tier 1 (tier 0 lost)", []).append(restore(fast, tier_args, shapes))
+    if s3 is not None:
+        shutil.rmtree(os.path.join(slow, "checkpoint-7"))
+        for _ in range(args.rounds):
+            rows.setdefault("S3 tier 2 (tiers 0 and 1 lost)", []).append(restore(fast, tier_args, shapes))
+    figures["copy"] = copy_alone(state, work, args.rounds)
+    figures["live"] = memory_into_live(state, max(args.rounds, 5))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="128 MiB, 2 rounds")
     parser.add_argument("--no-s3", action="store_true", help="skip the S3 tier (moto)")
+    parser.add_argument("--save-only", action="store_true", help="part 1 only: the save cost of each configuration")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.quick:
         args.size_mib, args.rounds = 128, 2
     state = make_state(args.size_mib)
-    shapes = {k: list(v.shape) for k, v in state.items()}
     work = tempfile.mkdtemp(prefix="bench-recovery-")
     figures: dict[str, Any] = {"size_mib": args.size_mib, "rounds": args.rounds, "save": {}, "restore": {}}
     stack = contextlib.ExitStack()
@@ -322,50 +378,8 @@ def main() -> None:
         finally:
             steps.stop()
 
-        # ---- restore from memory, after the trainer was killed -------------------------------
-        held, behind = f"shm://bench-recovery-{os.getpid()}-restore", os.path.join(work, "restore-behind")
-        trainer_killed_after_a_save(held, behind, args.size_mib)
-        try:
-            held_now = next(r.nbytes for r in ckptd.held_roots() if r.url == held)
-            figures.setdefault("held_bytes", {})["restore"] = held_now
-            for _ in range(args.rounds):
-                row = restore(held, [{"root": behind}], shapes)
-                if row["tier"] != 0:
-                    raise SystemExit(f"the memory tier did not serve the restore: tier {row['tier']}")
-                figures["restore"].setdefault("memory tier 0 (trainer SIGKILLed)", []).append(row)
-        finally:
-            ckptd.drop_held(held, force=True)
-
-        figures["peers"] = peer_replica_rounds(args.size_mib, args.rounds)
-
-        # ---- restore -------------------------------------------------------------------------
-        fast, slow = os.path.join(work, "restore-fast"), os.path.join(work, "restore-slow")
-        tiers: list[ckptd.Tier] = [ckptd.Tier(slow)]
-        tier_args: list[dict[str, Any]] = [{"root": slow}]
-        if s3 is not None:
-            tiers.append(ckptd.Tier("s3://tiers/restore", storage_options=s3))
-            tier_args.append({"root": "s3://tiers/restore", "storage_options": s3})
-        with ckptd.Checkpointer(fast, tiers=tiers) as ckpt:
-            ckpt.save(7, {"model": state})
-        rows = figures["restore"]
-        files = [os.path.join(dirpath, n) for dirpath, _, names in os.walk(fast) for n in names]
-        for _ in range(args.rounds):
-            for path in files:  # warm: read once through the page cache
-                with open(path, "rb") as f:
-                    while f.read(16 << 20):
-                        pass
-            rows.setdefault("local tier 0, page cache warm", []).append(restore(fast, tier_args, shapes))
-            drop_from_page_cache(files)
-            rows.setdefault("local tier 0, cold", []).append(restore(fast, tier_args, shapes))
-        os.rename(os.path.join(fast, "checkpoint-7"), os.path.join(work, "moved-away"))
-        for _ in range(args.rounds):
-            rows.setdefault("local tier 1 (tier 0 lost)", []).append(restore(fast, tier_args, shapes))
-        if s3 is not None:
-            shutil.rmtree(os.path.join(slow, "checkpoint-7"))
-            for _ in range(args.rounds):
-                rows.setdefault("S3 tier 2 (tiers 0 and 1 lost)", []).append(restore(fast, tier_args, shapes))
-        figures["copy"] = copy_alone(state, work, args.rounds)
-        figures["live"] = memory_into_live(state, max(args.rounds, 5))
+        if not args.save_only:
+            measure_restores(args, state, work, s3, figures)
     finally:
         stack.close()
         shutil.rmtree(work, ignore_errors=True)
@@ -381,6 +395,12 @@ def main() -> None:
     held_bytes = figures.get("held_bytes", {})
     for name, nbytes in held_bytes.items():
         print(f"  memory held by {name}: {nbytes / 2**20:.0f} MiB (the root's files; the staging arena is apart)")
+    if args.save_only:
+        figures["summary"] = summary
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(figures, f, indent=1)
+        return
     print("restore (fresh process)  start->restored   load alone   tier read   load / copy_ floor (median of pairs)")
     restored: dict[str, float] = {}
     for name, outcomes in figures["restore"].items():

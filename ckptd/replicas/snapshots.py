@@ -217,8 +217,8 @@ class PeerSnapshots:
         self.stats.bytes_received += result.nbytes
         if result.step != step:
             raise ReplicationError(f"rank {ward} sent step {result.step} while step {step} was replicated")
-        if result.path is not None:
-            apply_retention(self._storage, root, self.keep_last)
+        if result.path is not None:  # the dropped replica's pages are the next one's (its spare)
+            apply_retention(self._storage, root, self.keep_last, spare=True)
         return result
 
     # ---- memory --------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import json
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -26,9 +26,11 @@ from crc32c import crc32c
 from ..errors import CorruptCheckpointError, ReplicationError
 from ..formats.checksum import format_crc
 from ..formats.manifest import MANIFEST_NAME, Manifest
-from ..formats.names import checkpoint_dir_name
+from ..formats.names import SPARE_NAME, checkpoint_dir_name
 from ..save.commit import publish, staging_directory
 from ..storage import Storage
+from ..storage.held import in_held_memory
+from ..storage.local import open_recycled
 
 __all__ = ["PIECE", "BackgroundSend", "Received", "receive_checkpoint", "send_checkpoint"]
 
@@ -94,6 +96,7 @@ def receive_checkpoint(storage: Storage, root: str, src: int, group: Any) -> Rec
     except (CorruptCheckpointError, ValueError) as e:
         problem = str(e)
     storage.makedirs(root)
+    spares = _spare_files(storage, root)
     with staging_directory(storage, final, overwrite=True) as staging:
         received = 0
         buffer = torch.empty(PIECE, dtype=torch.uint8)
@@ -102,7 +105,8 @@ def receive_checkpoint(storage: Storage, root: str, src: int, group: Any) -> Rec
             if problem is None:
                 target = storage.join(staging, name)
                 os.makedirs(os.path.dirname(target), exist_ok=True)
-            with open(target, "xb") if target is not None else contextlib.nullcontext() as out:
+            spare = spares.get(name) if target is not None else None
+            with _create(target, spare, size) if target is not None else contextlib.nullcontext() as out:
                 offset = 0
                 while offset < size:
                     count = min(PIECE, size - offset)
@@ -123,6 +127,27 @@ def receive_checkpoint(storage: Storage, root: str, src: int, group: Any) -> Rec
         storage.write_bytes(storage.join(staging, MANIFEST_NAME), manifest_bytes)
         publish(storage, staging, final, overwrite=True, replace_any=True)
         return Received(step, final, received)
+
+
+def _spare_files(storage: Storage, root: str) -> dict[str, str]:
+    """The spare files of a held-memory ``root`` by name (whose pages a received file reuses;
+    :data:`~ckptd.formats.names.SPARE_NAME`), empty elsewhere."""
+    directory = os.path.join(root, SPARE_NAME)
+    if not storage.local or not in_held_memory(directory):
+        return {}
+    try:
+        return {name: os.path.join(directory, name) for name in os.listdir(directory)}
+    except OSError:
+        return {}
+
+
+def _create(target: str, spare: str | None, size: int) -> BinaryIO:
+    """``target`` created for writing: the ``spare`` file renamed there and reused when it can be
+    (:func:`~ckptd.storage.local.open_recycled`), else a new file."""
+    fd = open_recycled(spare, target, size) if spare is not None else None
+    if fd is None:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    return os.fdopen(fd, "wb")
 
 
 def _check_listing(manifest: Manifest, files: list[list[Any]]) -> str | None:

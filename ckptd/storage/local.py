@@ -17,7 +17,7 @@ from .local_read import LocalReader
 from .local_write import DIRECT_ALIGNMENT, copy_range, create_new, write_all, write_piece
 from .rename import exchange_paths
 
-__all__ = ["LocalStorage", "exchange_paths"]
+__all__ = ["LocalStorage", "exchange_paths", "open_recycled"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class LocalStorage:
         flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
         direct = self.tuning.direct_io and whole and hasattr(os, "O_DIRECT") and chunk_size % DIRECT_ALIGNMENT == 0
         try:
-            fd = _recycled(recycle, path, len(view)) if recycle is not None and whole else None
+            fd = open_recycled(recycle, path, len(view)) if recycle is not None and whole else None
             if fd is not None:
                 direct = False  # a tmpfs: no O_DIRECT there
             elif whole:
@@ -391,7 +391,7 @@ class LocalStorage:
         return True
 
 
-def _recycled(spare: str, path: str, size: int) -> int | None:
+def open_recycled(spare: str, path: str, size: int) -> int | None:
     """``spare`` renamed to ``path`` (which must not exist) and opened for writing, grown to
     ``size``; ``None`` if it is gone, larger than ``size`` (a file never shrinks under a reader
     that may have it mapped: that would be SIGBUS there) or linked elsewhere too."""
