@@ -46,6 +46,7 @@ __all__ = [
     "read_manifest",
     "remove_checkpoint",
     "retire_to_spare",
+    "spare_files",
     "sibling_checkpoint",
     "staging_dir_name",
 ]
@@ -222,6 +223,17 @@ def retire_to_spare(storage: LocalStorage, root: str, path: str) -> None:
         os.rename(aside, spare)
     except OSError:  # another retirement won the name: this one is only deleted
         discard_directory(storage, aside)
+
+
+def spare_files(root: str) -> dict[str, str]:
+    """The files of a held-memory ``root``'s spare by name (``{name: path}``; empty when it has
+    none).  Whether one can be reused (a regular file, no other link, no larger than the new
+    one) is decided where it is taken: :func:`~ckptd.storage.local.open_recycled`."""
+    directory = os.path.join(root, SPARE_NAME)
+    try:
+        return {name: os.path.join(directory, name) for name in os.listdir(directory)}
+    except OSError:
+        return {}
 
 
 def remove_checkpoint(storage: Storage, path: str) -> None:

@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 from crc32c import crc32c
 
+from ..catalog import spare_files
 from ..errors import CorruptCheckpointError, ReplicationError
 from ..formats.checksum import format_crc
 from ..formats.manifest import MANIFEST_NAME, Manifest
-from ..formats.names import SPARE_NAME, checkpoint_dir_name
+from ..formats.names import checkpoint_dir_name
 from ..save.commit import publish, staging_directory
 from ..storage import Storage
 from ..storage.held import in_held_memory
@@ -96,7 +97,7 @@ def receive_checkpoint(storage: Storage, root: str, src: int, group: Any) -> Rec
     except (CorruptCheckpointError, ValueError) as e:
         problem = str(e)
     storage.makedirs(root)
-    spares = _spare_files(storage, root)
+    spares = spare_files(root) if storage.local and in_held_memory(root) else {}
     with staging_directory(storage, final, overwrite=True) as staging:
         received = 0
         buffer = torch.empty(PIECE, dtype=torch.uint8)
@@ -127,18 +128,6 @@ def receive_checkpoint(storage: Storage, root: str, src: int, group: Any) -> Rec
         storage.write_bytes(storage.join(staging, MANIFEST_NAME), manifest_bytes)
         publish(storage, staging, final, overwrite=True, replace_any=True)
         return Received(step, final, received)
-
-
-def _spare_files(storage: Storage, root: str) -> dict[str, str]:
-    """The spare files of a held-memory ``root`` by name (whose pages a received file reuses;
-    :data:`~ckptd.formats.names.SPARE_NAME`), empty elsewhere."""
-    directory = os.path.join(root, SPARE_NAME)
-    if not storage.local or not in_held_memory(directory):
-        return {}
-    try:
-        return {name: os.path.join(directory, name) for name in os.listdir(directory)}
-    except OSError:
-        return {}
 
 
 def _create(target: str, spare: str | None, size: int) -> BinaryIO:

@@ -22,8 +22,6 @@ import dataclasses
 import functools
 import gc
 import logging
-import os
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -31,11 +29,10 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..catalog import ManifestCache
+from ..catalog import ManifestCache, spare_files
 from ..dist.group import DistContext
 from ..errors import ConfigError, WriterError
 from ..formats.manifest import Manifest
-from ..formats.names import SPARE_NAME
 from ..options import MIN_STREAM_CHUNKS, CheckpointerOptions
 from ..request import SaveRequest, SaveResult
 from ..retention import RunRecord, apply_retention
@@ -591,7 +588,7 @@ class Saver:
         compare = job.arena is None or not job.arena.streamed
         files: list[FileSpec] = []
         copies: list[CopySpec] = []
-        spares = self._spare_files()
+        spares = spare_files(self.root) if self.recycles else {}
         for p in job.rank_plan.pieces:
             reused = job.reuse.reused.get(p.file_name)
             if reused is not None:
@@ -600,7 +597,7 @@ class Saver:
                     copies.append(CopySpec(p.file_name, reused.source, reused.size, crc, reused.digest))
                 continue
             hashed = job.reuse.hashed.get(p.file_name) if p.whole_file and compare else None
-            recycle = spares.get(p.file_name) if p.whole_file and hashed is None else None
+            recycle = spares.get(p.file_name) if p.whole_file and hashed is None else None  # see open_recycled
             files.append(
                 FileSpec(
                     p.file_name,
@@ -611,28 +608,10 @@ class Saver:
                     digest=hash_mode and p.whole_file,
                     unchanged_if=hashed.digest if hashed is not None else None,
                     source=hashed.source if hashed is not None else None,
-                    recycle=recycle[0] if recycle is not None and recycle[1] <= p.size else None,
+                    recycle=recycle,
                 )
             )
         return files, copies
-
-    def _spare_files(self) -> dict[str, tuple[str, int]]:
-        """A held-memory root's spare files (``{name: (path, size)}``), whose pages this save's
-        files of the same names reuse (empty elsewhere)."""
-        if not self.recycles:
-            return {}
-        directory = os.path.join(self.root, SPARE_NAME)
-        try:
-            with os.scandir(directory) as entries:
-                files = [(entry, entry.stat(follow_symlinks=False)) for entry in entries]
-                # a file linked elsewhere too is a kept checkpoint's (an incremental save's link)
-                return {
-                    e.name: (e.path, info.st_size)
-                    for e, info in files
-                    if stat.S_ISREG(info.st_mode) and info.st_nlink == 1
-                }
-        except OSError:
-            return {}
 
     def _release_reuse(self, job: SaveJob) -> None:
         """The save no longer reads the checkpoint it takes files from (once per save)."""

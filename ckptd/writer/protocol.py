@@ -72,7 +72,8 @@ class FileSpec:
     ``source``: the file ``source`` of the last committed checkpoint has that digest; if these
     bytes have it too, ``name`` is made from ``source`` (a link or server-side copy) instead of
     being written.  ``recycle``: a file of a retired checkpoint of a held-memory root (its
-    spare, ``.ckptd-spare``) no larger than ``size``, renamed into place and overwritten: its
+    spare, ``.ckptd-spare``), renamed into place and overwritten when it can be (no larger than
+    ``size``, no other link: :func:`~ckptd.storage.local.open_recycled` decides): its
     pages are reused instead of new ones allocated and cleared (a whole file only)."""
 
     name: str
