@@ -24,7 +24,6 @@ Each requested byte is read once.  Errors are :class:`~ckptd.errors.StorageError
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno as errno_codes
 import functools
 import logging
@@ -123,7 +122,7 @@ def _load_libc() -> ctypes.CDLL | None:
     global _libc
     if _libc is None:
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc = ctypes.CDLL(None, use_errno=True)  # the loaded libc (find_library would run ldconfig)
             libc.mmap.restype = ctypes.c_void_p
             c_int = ctypes.c_int
             libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, c_int, c_int, c_int, ctypes.c_long]
