@@ -41,6 +41,7 @@ from .formats.manifest import Manifest
 from .formats.names import parse_step
 from .garbage import collect_garbage
 from .load.assign import read_components, read_keys, reads_everything, restore_components
+from .load.inline_verify import VerifyMode, verify_mode
 from .load.reader import CheckpointReader
 from .options import DEFAULT_HELD_KEEP_LAST, CheckpointerOptions, check_staging
 from .request import SaveRequest, SaveResult
@@ -462,7 +463,7 @@ class Checkpointer:
         device: str | torch.device = "cpu",
         strict: bool = True,
         assign: bool = False,
-        verify: bool = False,
+        verify: VerifyMode = False,
         allow_pickle: bool | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         sharing: Mapping[str, Any] | None = None,
@@ -476,7 +477,11 @@ class Checkpointer:
           returns only those tensors as ``{component: {key: tensor}}``, reading only the shards
           that hold them.
 
-        File sizes are always checked; ``verify=True`` also checks CRC32C of the files read.
+        File sizes are always checked; ``verify=True`` also checks CRC32C of the files read: in a
+        pass of its own before their bytes reach the caller's tensors (``into=`` modules read in
+        place), or as they are read when the tensors are new (one pass over the bytes).
+        ``verify="inline"`` checks as they are read into the caller's tensors too (one pass; a
+        damaged file's bytes may then be in them when the error is raised).
         ``cache_dir`` (default: the Checkpointer's) keeps local copies of remote files read.
 
         Every rank loads on its own (no collective): DTensors and :class:`~ckptd.ShardedTensor`
@@ -499,6 +504,7 @@ class Checkpointer:
         stores a retry reads the version now committed over them.
         """
         self._check_open()
+        verify_mode(verify)
         keys = None if keys is None else list(keys)  # read again by a retry
         components = None if components is None else list(components)
         arguments = (into, components, keys, device, strict, assign, verify, allow_pickle, cache_dir, sharing)
@@ -526,7 +532,8 @@ class Checkpointer:
             which = "" if step == "latest" else f" of step {step}"
             raise CheckpointNotFoundError(f"no committed checkpoint{which} in {where}")
         options = {0: self.options.storage_options, **{t.index: t.tier.storage_options for t in self._promoter.tiers}}
-        verified = (*arguments[:6], True, *arguments[7:])  # a damaged copy must fail before a target is written
+        # A damaged copy is found before a caller's target is written (unless verify="inline").
+        verified = (*arguments[:6], arguments[6] or True, *arguments[7:])
         failures: list[str] = []
         for candidate in steps:
             result, source = None, None
@@ -577,7 +584,7 @@ class Checkpointer:
         device: str | torch.device,
         strict: bool,
         assign: bool,
-        verify: bool,
+        verify: VerifyMode,
         allow_pickle: bool | None,
         cache_dir: str | os.PathLike[str] | None,
         sharing: Mapping[str, Any] | None,

@@ -406,3 +406,31 @@ def test_two_ranks_save_to_one_held_root_and_a_restarted_job_restores_from_it(tm
         assert (outcomes[rank]["step"], outcomes[rank]["tier"]) == (3, 0)
         assert_same(torch.full((5,), float(100 * rank + 3)), outcomes[rank]["mine"])
     wait_for(lambda: not os.path.exists(held_path(name)), timeout=30)  # hold_after_exit=0 once both are gone
+
+
+def test_a_held_checkpoint_is_checked_as_it_is_read_into_new_and_live_tensors(tmp_path):
+    """From held memory, ``verify=True`` into new tensors and ``verify="inline"`` into live ones
+    check each file as it lands (one pass over the memory): bit-exact, and a flipped byte in
+    the held file raises."""
+    from ckptd.errors import CorruptCheckpointError
+
+    name = _name()
+    try:
+        with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=300) as ckpt:
+            path = ckpt.save(1, _state(1, "big")).path
+            assert_same(_state(1, "big"), ckpt.load(1, verify=True))
+            live = {"w": torch.zeros(4 * 1024 * 1024), "b": torch.zeros(16)}
+            ckpt.load(1, into={"model": live}, verify="inline")
+            assert_same(_state(1, "big")["model"], live)
+            shard = next(os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(".safetensors"))
+            with open(shard, "r+b") as f:
+                f.seek(os.path.getsize(shard) // 2)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
+            with pytest.raises(CorruptCheckpointError, match="CRC32C"):
+                ckpt.load(1, verify=True)
+            with pytest.raises(CorruptCheckpointError, match="CRC32C"):
+                ckpt.load(1, into={"model": live}, verify="inline")
+    finally:
+        ckptd.drop_held(name, force=True)

@@ -110,6 +110,20 @@ def test_a_damaged_fast_copy_is_skipped_for_the_slower_tiers_good_one(tmp_path, 
             ckpt.load()
 
 
+def test_a_damaged_fast_copy_read_with_verify_inline_is_overwritten_by_the_next_tiers(tmp_path):
+    """``verify="inline"`` checks the fast copy as it lands in the live tensors: the damaged copy
+    is found, the slower tier's copy is read over it, and the tensors end bit-exact."""
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    with ckptd.Checkpointer(fast, tiers=[ckptd.Tier(slow)]) as ckpt:
+        path = ckpt.save(5, _state(5)).path
+        ckpt.wait_promotions(60)
+        _flip_a_tensor_byte(path)
+        live = {"w": torch.zeros(64, 32), "b": torch.zeros(32)}
+        ckpt.load(into={"model": live}, verify="inline")
+        assert (ckpt.last_load.step, ckpt.last_load.tier) == (5, 1)
+        assert_same(_state(5)["model"], live)
+
+
 def test_a_damaged_source_is_never_promoted_and_leaves_nothing(tmp_path):
     fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
     with ckptd.Checkpointer(fast) as ckpt:

@@ -17,6 +17,7 @@ from ..dist.sharding import is_dtensor
 from ..errors import ConfigError, KeyMismatchError
 from ..formats.torch_dtypes import dtype_from_name
 from ..save.flatten import find_tied_groups, restore_tree, tensor_leaves, tree_tensor_keys
+from .inline_verify import VerifyMode
 from .reader import CheckpointReader, PendingRead, preview
 
 __all__ = [
@@ -73,7 +74,7 @@ def load_into_module(
     strict: bool = True,
     assign: bool = False,
     device: str | torch.device = "cpu",
-    verify: bool = False,
+    verify: VerifyMode = False,
 ) -> set[str]:
     """Load a component into ``module``; returns the module keys that were not loaded.
 
@@ -94,7 +95,7 @@ def _plan_module(
     strict: bool,
     assign: bool,
     device: str | torch.device,
-    verify: bool,
+    verify: VerifyMode,
 ) -> tuple[PendingRead, Callable[[], set[str]]]:
     """:func:`load_into_module` in two halves: the planned read, and what to do once it is read."""
     state = module.state_dict()
@@ -206,7 +207,7 @@ def read_components(
     components: Iterable[str] | None = None,
     *,
     device: str | torch.device = "cpu",
-    verify: bool = False,
+    verify: VerifyMode = False,
     allow_pickle: bool = False,
     rank: int = 0,
     groups: Mapping[str, int] | None = None,
@@ -228,7 +229,7 @@ def _read_value(
     tree: Any,
     targets: Mapping[str, Any],
     device: str | torch.device,
-    verify: bool,
+    verify: VerifyMode,
     allow_pickle: bool,
 ) -> Any:
     pending, finish = _plan_value(reader, stored, tree, targets, device, verify, allow_pickle)
@@ -242,7 +243,7 @@ def _plan_value(
     tree: Any,
     targets: Mapping[str, Any],
     device: str | torch.device,
-    verify: bool,
+    verify: VerifyMode,
     allow_pickle: bool,
 ) -> tuple[PendingRead | None, Callable[[], Any]]:
     """:func:`_read_value` in two halves: the planned read, and the value rebuilt once read."""
@@ -268,7 +269,7 @@ def restore_components(
     strict: bool = True,
     assign: bool = False,
     device: str | torch.device = "cpu",
-    verify: bool = False,
+    verify: VerifyMode = False,
     allow_pickle: bool = False,
     rank: int = 0,
     groups: Mapping[str, int] | None = None,
@@ -409,7 +410,7 @@ def read_keys(
     keys: Iterable[str],
     *,
     device: Any,
-    verify: bool,
+    verify: VerifyMode,
     rank: int,
     groups: dict[str, int],
 ) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from ..formats.safetensors import DTYPE_ITEMSIZE, MAX_TENSOR_BYTES, shape_fits
 from ..formats.torch_dtypes import TORCH_DTYPES, dtype_from_name, dtype_name
 from ..storage import RangeReader
 from .direct import read_local
+from .inline_verify import InlineFile, read_verified
 from .to_device import DeviceRequest, read_into_device
 
 DEFAULT_REMOTE_CONCURRENCY = 8
@@ -274,6 +275,7 @@ def read_requests(
     concurrency: int = DEFAULT_REMOTE_CONCURRENCY,
     opened: Callable[[], None] | None = None,
     device_requests: Mapping[str, list[DeviceRequest]] | None = None,
+    inline: Mapping[str, tuple[int, str]] | None = None,
 ) -> None:
     """Fill ``{file: [(offset, buffer), ...]}`` requests (several components' at once), and
     ``device_requests`` (``{file: [(offset, CUDA byte tensor), ...]}``; local files only) through
@@ -285,7 +287,8 @@ def read_requests(
     lands in a target).  Local files are then read by :func:`~ckptd.load.direct.read_local`
     (positional reads from the read pool, ``O_DIRECT`` for what is not in the page cache);
     remote files are read ``concurrency`` at once, each reader coalescing and parallelising its
-    own ranges.
+    own ranges.  ``inline``: ``{file: (size, CRC32C)}`` of local files with host requests to read
+    whole and check as they are read (:func:`~ckptd.load.inline_verify.read_verified`).
     """
     device_requests = device_requests or {}
     if device_requests and not local:
@@ -309,10 +312,16 @@ def read_requests(
         if local:
             # Through the descriptors opened above (in the checkpoint directory the load pinned),
             # never by name again: every byte comes from the version whose sizes were checked.
-            jobs = [(readers[file_name], wanted) for file_name, wanted in sorted(requests.items())]
+            inline = inline or {}
+            jobs = [(readers[name], wanted) for name, wanted in sorted(requests.items()) if name not in inline]
+            checked = [
+                InlineFile(readers[name], size, crc, path_of(name), requests[name])
+                for name, (size, crc) in sorted(inline.items())
+            ]
             device_jobs = [(readers[file_name], spans) for file_name, spans in sorted(device_requests.items())]
             try:
                 read_local(jobs)
+                read_verified(checked)
                 if device_jobs:
                     read_into_device(device_jobs, read_local)
             except StorageError as e:

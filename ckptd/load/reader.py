@@ -29,7 +29,7 @@ import functools
 import logging
 import os
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +78,7 @@ from .fetch import (
     read_requests,
 )
 from .hf_dcp_shards import file_sizes, is_hf_dcp_sharded, shard_files, shard_records
+from .inline_verify import VerifyMode, cover, verify_mode
 from .pinning import OneVersion, holder
 from .to_device import DeviceRequest
 from .torch_checkpointing import METADATA_FILE, is_torch_checkpointing, item_files
@@ -116,6 +117,7 @@ class PendingRead:
     targeted: frozenset[str]
     device: torch.device
     verify: bool
+    inline: bool = False  # verify while reading (fresh destinations, or verify="inline")
     done: bool = False
 
     def result(self) -> dict[str, Any]:
@@ -434,7 +436,7 @@ class CheckpointReader:
             groups.setdefault(stored, [stored]).append(alias)
         return list(groups.values())
 
-    def state_trees(self, verify: bool = False) -> dict[str, Any]:
+    def state_trees(self, verify: VerifyMode = False) -> dict[str, Any]:
         """The encoded non-tensor trees of every component (ckptd checkpoints only)."""
         if self.manifest is None or self.manifest.state_file is None:
             return {}
@@ -561,7 +563,7 @@ class CheckpointReader:
         *,
         device: str | torch.device = "cpu",
         targets: Mapping[str, Any] | None = None,
-        verify: bool = False,
+        verify: VerifyMode = False,
     ) -> dict[str, Any]:
         """Read tensors of ``component`` (all, or ``keys``); tied aliases map to the same tensor.
 
@@ -583,7 +585,7 @@ class CheckpointReader:
         *,
         device: str | torch.device = "cpu",
         targets: Mapping[str, Any] | None = None,
-        verify: bool = False,
+        verify: VerifyMode = False,
     ) -> PendingRead:
         """The first half of :meth:`read`: check keys and targets and place every tensor, reading
         nothing yet from safetensors files (``.bin`` and DCP checkpoints are read here).
@@ -617,7 +619,10 @@ class CheckpointReader:
                     if stored_targets.get(key) is None:
                         stored_targets[key] = new_device_tensor(key, records[key], place, self.directory)
             destinations = make_destinations(stored, records, stored_targets, self.directory, device_reads)
-        return PendingRead(requested, source.aliases, records, destinations, frozenset(stored_targets), place, verify)
+        # Checked while read when nothing the caller holds is written (or the caller asked).
+        inline = verify_mode(verify) == "inline" or (verify is True and not targets)
+        held = frozenset(stored_targets)
+        return PendingRead(requested, source.aliases, records, destinations, held, place, bool(verify), inline)
 
     def run(self, plans: Iterable[PendingRead]) -> None:
         """Read the bytes of every plan (of this reader) in one pass: one set of reads over the
@@ -632,9 +637,6 @@ class CheckpointReader:
         plans = [p for p in plans if p.records and not p.done]
         if not plans:
             return
-        to_verify = sorted({f for p in plans if p.verify for record in p.records.values() for f in record.files})
-        if to_verify:
-            self.verify(to_verify)
         requests: dict[str, list[tuple[int, memoryview]]] = {}
         device_requests: dict[str, list[DeviceRequest]] = {}
         for p in plans:
@@ -643,6 +645,10 @@ class CheckpointReader:
                 requests.setdefault(file_name, []).extend(wanted)
             for file_name, spans in device.items():
                 device_requests.setdefault(file_name, []).extend(spans)
+        inline = self._inline_checks(plans, requests, device_requests)
+        to_verify = sorted({f for p in plans if p.verify for r in p.records.values() for f in r.files} - set(inline))
+        if to_verify:
+            self.verify(to_verify)
         self.check_files([*requests, *device_requests])  # before the first byte lands in a target
         tuning = getattr(self.storage, "tuning", None)
         concurrency = tuning.part_concurrency if tuning is not None else DEFAULT_REMOTE_CONCURRENCY
@@ -655,10 +661,34 @@ class CheckpointReader:
                 concurrency=concurrency,
                 opened=self._version.check_unchanged,
                 device_requests=device_requests,
+                inline=inline,
             )
         self._version.check_unchanged()
+        self._verified.update(inline)
         for p in plans:
             p.done = True
+
+    def _inline_checks(
+        self,
+        plans: Sequence[PendingRead],
+        requests: Mapping[str, list[tuple[int, memoryview]]],
+        device_requests: Mapping[str, list[DeviceRequest]],
+    ) -> dict[str, tuple[int, str]]:
+        """``{file: (size, CRC32C)}`` of the files ``run`` checks while reading them
+        (:mod:`.inline_verify`): local files with a manifest record, read into host memory only,
+        by no plan that must check them first (``verify=True`` into caller's targets)."""
+        if self.manifest is None or not self.storage.local:
+            return {}
+        first = {f for p in plans if p.verify and not p.inline for r in p.records.values() for f in r.files}
+        wanted = {f for p in plans if p.inline for r in p.records.values() for f in r.files}
+        out: dict[str, tuple[int, str]] = {}
+        for name in sorted(wanted - first - self._verified):
+            record = self.manifest.files.get(name)
+            if record is None or name not in requests or name in device_requests:
+                continue
+            if cover(requests[name], record.size) is not None:
+                out[name] = (record.size, record.crc32c)
+        return out
 
     def _load_bin(self, file_name: str) -> dict[str, torch.Tensor]:
         """A ``.bin`` file's tensors; for a torch_checkpointing item's file (in ``_trees``) those

@@ -34,6 +34,7 @@ from ..checkpointer import Checkpointer
 from ..errors import CkptdError, ConfigError, ReplicationError
 from ..formats.names import checkpoint_dir_name
 from ..garbage import collect_garbage
+from ..load.inline_verify import VerifyMode
 from ..options import DEFAULT_HELD_KEEP_LAST, DEFAULT_HOLD_AFTER_EXIT, parse_duration
 from ..request import SaveRequest
 from ..retention import apply_retention
@@ -236,7 +237,7 @@ class PeerSnapshots:
         into: Mapping[str, Any] | None = None,
         *,
         fallback: Checkpointer | None = None,
-        verify: bool = True,
+        verify: VerifyMode = True,
     ) -> PeerRestore | None:
         """Restore every rank from the newest step all ranks can get from memory: their own
         snapshot, or a peer's replica of it (sent back first, and kept as this rank's snapshot).
@@ -316,7 +317,7 @@ class PeerSnapshots:
         return mine
 
     def _load_everywhere(
-        self, step: int, into: Mapping[str, Any] | None, verify: bool, timings: dict[str, float], started: float
+        self, step: int, into: Mapping[str, Any] | None, verify: VerifyMode, timings: dict[str, float], started: float
     ) -> tuple[Any] | None:
         """Load ``step`` on every rank; the state (``None`` with ``into``) if every rank did.
 

@@ -337,3 +337,100 @@ def test_a_large_page_cache_read_is_one_long_task_per_read_thread():
     assert len(batches) == direct.READ_THREADS
     assert [p for batch in batches for p in batch] == pieces  # every range once, in file order
     assert direct._batch_bytes(40 * 2**20) == 32 * 2**20  # a small load: at least 32 MiB per task
+
+
+# ---- verification while reading (ckptd.load.inline_verify) --------------------------------------
+
+
+def _flip_byte_near_end(path: str, prefix: str) -> str:
+    shard = next(os.path.join(path, n) for n in sorted(os.listdir(path)) if n.startswith(prefix))
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 10)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return shard
+
+
+def _one_pass_bounds(state: dict[str, dict[str, torch.Tensor]], path: str) -> tuple[int, int]:
+    """Bytes a load that reads every shard once may read: the shards whole, plus their headers
+    (read when the checkpoint is opened) and the small files.  A second pass over the tensors
+    (a checksum pass of its own) is above the upper bound."""
+    shards = _shard_bytes(path)
+    return shards, shards + (shards - _payload(state)) + 2 * _small_files(path)
+
+
+@pytest.mark.parametrize("small_spans", [False, True])
+def test_verify_true_into_new_tensors_checks_while_reading_one_pass(saved, monkeypatch, small_spans):
+    """A load that hands out new tensors checks each file as it is read (nothing of the caller's
+    is written before the check ends): every shard byte is read once, the result is bit-exact.
+    With 4 KiB windows and 12 KiB spans the CRC32C is folded across many windows and spans."""
+    from ckptd.load import inline_verify
+
+    if small_spans:
+        monkeypatch.setattr(inline_verify, "WINDOW", 4096)
+        monkeypatch.setattr(inline_verify, "SPAN", 3 * 4096)
+    ckpt, state, path = saved
+    low, high = _one_pass_bounds(state, path)
+    before = _rchar()
+    loaded = ckpt.load(1, verify=True)
+    read = _rchar() - before
+    _assert_same(state, loaded)
+    assert low <= read <= high, (read, low, high)
+    _flip_byte_near_end(path, "optimizer")
+    with pytest.raises(CorruptCheckpointError, match=r"optimizer-.*\.safetensors.*CRC32C.*while it was read"):
+        ckpt.load(1, verify=True)
+    _assert_same({"model": state["model"]}, ckpt.load(1, components=["model"], verify=True))
+
+
+def test_verify_inline_into_live_targets_reads_once_and_raises_on_damage(saved):
+    """``verify="inline"`` checks as the bytes land in the caller's tensors: one pass, bit-exact;
+    a damaged file still raises (its bytes may then be in the targets)."""
+    ckpt, state, path = saved
+    low, high = _one_pass_bounds(state, path)
+    targets = _targets(state)
+    before = _rchar()
+    ckpt.load(1, into=targets, verify="inline")
+    read = _rchar() - before
+    _assert_same(state, targets)
+    assert low <= read <= high, (read, low, high)
+    _flip_byte_near_end(path, "model")
+    with pytest.raises(CorruptCheckpointError, match=r"model-.*\.safetensors.*CRC32C"):
+        ckpt.load(1, into=_targets(state), verify="inline")
+
+
+def test_keys_load_with_verify_checks_the_bytes_it_does_not_return(saved):
+    """A ``keys=`` load checks the whole file the key lives in: damage in another tensor's bytes
+    (read into scratch memory, never returned) is found."""
+    ckpt, state, path = saved
+    _flip_byte_near_end(path, "model")  # the last tensor of the model shard
+    intact = [k for k, t in state["model"].items() if torch.equal(ckpt.load(1, keys=[f"model.{k}"])["model"][k], t)]
+    assert len(intact) >= len(state["model"]) - 1  # the flipped byte is in one tensor at most
+    first = next(k for k in intact if state["model"][k].numel())
+    with pytest.raises(CorruptCheckpointError, match="CRC32C"):
+        ckpt.load(1, keys=[f"model.{first}"], verify=True)
+
+
+def test_verify_accepts_only_true_false_or_inline(saved):
+    ckpt, _, _ = saved
+    with pytest.raises(ckptd.errors.ConfigError, match="verify must be"):
+        ckpt.load(1, verify="yes")  # type: ignore[arg-type]
+
+
+def test_cover_lays_out_every_byte_once_in_windows():
+    from ckptd.load.inline_verify import WINDOW, cover
+
+    buffers = [memoryview(bytearray(n)) for n in (10, WINDOW + 5, 3)]
+    requests = [(7, buffers[0]), (WINDOW - 2, buffers[1]), (3 * WINDOW, buffers[2])]
+    pieces = cover(requests, 3 * WINDOW + 100)
+    assert pieces is not None
+    position = 0
+    for offset, view, length in pieces:
+        assert offset == position and length > 0
+        assert offset // WINDOW == (offset + length - 1) // WINDOW  # within one window
+        assert view is None or view.nbytes == length
+        position += length
+    assert position == 3 * WINDOW + 100
+    assert sum(length for _, view, length in pieces if view is not None) == sum(b.nbytes for b in buffers)
+    assert cover([(0, memoryview(bytearray(10))), (5, memoryview(bytearray(10)))], 100) is None  # overlap
+    assert cover([(95, memoryview(bytearray(10)))], 100) is None  # past the end
