@@ -161,10 +161,11 @@ began = float(sys.argv[1])
 import torch, ckptd
 tiers = [ckptd.Tier(**t) for t in json.loads(sys.argv[3])]
 shapes = json.loads(sys.argv[4])
+verify = json.loads(sys.argv[5])  # true (a checksum pass first) or "inline" (checked as the bytes land)
 targets = {k: torch.empty(tuple(s)) for k, s in shapes.items()}
 with ckptd.Checkpointer(sys.argv[2], tiers=tiers, hold_after_exit=600) as ckpt:
     started = time.time()
-    ckpt.load("latest", into={"model": targets})
+    ckpt.load("latest", into={"model": targets}, verify=verify)
     done = time.time()
 fresh = {k: torch.empty(tuple(s)) for k, s in shapes.items()}  # the floor: the same bytes copy_'d into fresh tensors
 floor_started = time.perf_counter()
@@ -202,9 +203,12 @@ def trainer_killed_after_a_save(root: str, local: str, size_mib: int) -> None:
     trainer.wait()
 
 
-def restore(root: str, tiers: list[dict[str, Any]], shapes: dict[str, list[int]]) -> dict[str, float]:
-    """A fresh process restoring the newest step into live tensors."""
-    arguments = [root, json.dumps(tiers), json.dumps(shapes)]
+def restore(
+    root: str, tiers: list[dict[str, Any]], shapes: dict[str, list[int]], verify: bool | str = True
+) -> dict[str, float]:
+    """A fresh process restoring the newest step into live tensors (a load across tiers checks
+    CRC32C: ``verify=True`` in a pass first, ``"inline"`` as the bytes land)."""
+    arguments = [root, json.dumps(tiers), json.dumps(shapes), json.dumps(verify)]
     done = subprocess.run(
         [sys.executable, "-c", RESTORE, str(time.time()), *arguments], capture_output=True, text=True, check=False
     )
@@ -303,6 +307,8 @@ def measure_restores(
             if row["tier"] != 0:
                 raise SystemExit(f"the memory tier did not serve the restore: tier {row['tier']}")
             figures["restore"].setdefault("memory tier 0 (trainer SIGKILLed)", []).append(row)
+            row = restore(held, [{"root": behind}], shapes, verify="inline")
+            figures["restore"].setdefault("memory tier 0, verify inline", []).append(row)
     finally:
         ckptd.drop_held(held, force=True)
 
