@@ -5,9 +5,15 @@ when steps during a write are measurably slower than without one, ``"faster"`` w
 not, ``"hold"`` in between, and ``"release"`` when nobody trains (``wait()``, ``close()``) or
 slowing down did not help (the writer is not what slows training); :data:`QUIET_SECONDS`
 without any notice releases the limit too.  The bucket turns those into a rate: ``slower``
-halves the current rate (the measured unthrottled throughput at first, never below
-:data:`MIN_RATE`), ``faster`` raises it by half, and once it is above twice the unthrottled
-throughput the limit is lifted.
+halves the current rate (the measured unthrottled throughput at first), never below the
+unthrottled throughput divided by :data:`MAX_STRETCH` (nor :data:`MIN_RATE`), ``faster`` raises
+it by half, and once it is above twice the unthrottled throughput the limit is lifted.
+
+Why the floor: a slow commit is not a fix.  Without it, a trainer whose step times hover
+between the relax and slow-down thresholds kept a halved-twice rate for the whole write: on
+the 2-core VM of docs/benchmarks.md, ~40 ms steps ran 1.05x during a 1 GiB save, but the save
+took 2.7-3.9 s against 0.57 s for the raw write (the full ``run_all.py`` of 2026-11-29).  A
+checkpoint that commits late loses more work on a failure and delays the next save.
 
 The limit that ``slower`` and ``faster`` last set is remembered (:attr:`WriteThrottle.learned_rate`;
 ``release`` and silence lift the limit but keep it; ``faster`` past the lifting point drops it).
@@ -25,10 +31,14 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["MIN_RATE", "QUIET_SECONDS", "THROTTLE_ACTIONS", "WriteThrottle"]
+__all__ = ["MAX_STRETCH", "MIN_RATE", "QUIET_SECONDS", "THROTTLE_ACTIONS", "WriteThrottle"]
 
 MIN_RATE = 8 * 1024**2
 """The slowest the throttle ever writes, in bytes per second."""
+
+MAX_STRETCH = 1.5
+"""How much longer than unthrottled a throttled write may take: the rate never goes below the
+measured unthrottled throughput divided by this."""
 
 THROTTLE_ACTIONS = ("slower", "faster", "hold", "release")
 
@@ -81,7 +91,8 @@ class WriteThrottle:
                 start = self.rate if self.rate is not None else self.unthrottled_rate
                 if start is None:
                     return  # nothing measured yet: the next chunk will tell
-                self.rate = self.learned_rate = max(MIN_RATE, start / 2)
+                floor = (self.unthrottled_rate or start) / MAX_STRETCH
+                self.rate = self.learned_rate = max(MIN_RATE, floor, start / 2)
                 self._tokens = 0.0
                 self._refilled = self._clock()
             elif action == "faster" and self.rate is not None:

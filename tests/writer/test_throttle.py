@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckptd.writer.throttle import MIN_RATE, QUIET_SECONDS, WriteThrottle
+from ckptd.writer.throttle import MAX_STRETCH, MIN_RATE, QUIET_SECONDS, WriteThrottle
 
 MIB = 1024**2
 
@@ -40,42 +40,50 @@ def test_unthrottled_writes_never_sleep_and_are_measured() -> None:
     assert fake.slept == []
 
 
-def test_slower_halves_the_measured_rate_and_the_bucket_holds_writes_back() -> None:
+def test_slower_halves_the_rate_down_to_the_stretch_floor_and_the_bucket_holds_writes_back() -> None:
     fake = FakeTime()
     throttle = _measured(fake)
-    throttle.adjust("slower")
-    assert throttle.rate == pytest.approx(200 * MIB)
-    slept = throttle.consume(20 * MIB)  # 0.1 s worth at 200 MiB/s, on an empty bucket
-    assert slept == pytest.approx(0.1)
-    assert throttle.throttled_seconds == pytest.approx(0.1)
+    floor = 400 * MIB / MAX_STRETCH  # a throttled write takes at most 1.5x as long as unthrottled
+    throttle.adjust("slower")  # half the measured 400 MiB/s would be below the floor
+    assert throttle.rate == pytest.approx(floor)
+    slept = throttle.consume(40 * MIB)  # 0.15 s worth at 266.7 MiB/s, on an empty bucket
+    assert slept == pytest.approx(0.15)
+    assert throttle.throttled_seconds == pytest.approx(0.15)
     throttle.adjust("hold")  # a notice: keeps the limit alive
-    slept = throttle.consume(20 * MIB)
-    assert slept == pytest.approx(0.1)  # the rate holds: 20 MiB take 0.1 s again
+    slept = throttle.consume(40 * MIB)
+    assert slept == pytest.approx(0.15)  # the rate holds: 40 MiB take 0.15 s again
+    throttle.adjust("faster")
+    throttle.adjust("faster")  # 600 MiB/s
     throttle.adjust("slower")
-    assert throttle.rate == pytest.approx(100 * MIB)
+    assert throttle.rate == pytest.approx(300 * MIB)  # halved
+    throttle.adjust("slower")
+    throttle.adjust("slower")
+    assert throttle.rate == pytest.approx(floor)  # never below the floor
 
 
 def test_faster_raises_the_rate_and_lifts_the_limit_past_twice_the_measured_rate() -> None:
     fake = FakeTime()
     throttle = _measured(fake)
-    throttle.adjust("slower")
+    throttle.adjust("slower")  # 266.7 MiB/s
     throttle.adjust("faster")
-    assert throttle.rate == pytest.approx(300 * MIB)
+    assert throttle.rate == pytest.approx(400 * MIB)
     throttle.adjust("faster")
-    assert throttle.rate == pytest.approx(450 * MIB)
-    throttle.adjust("faster")
-    throttle.adjust("faster")  # 1012 MiB/s > 2 x 400: unthrottled
+    assert throttle.rate == pytest.approx(600 * MIB)
+    throttle.adjust("faster")  # 900 MiB/s > 2 x 400: unthrottled
     assert throttle.rate is None
     throttle.adjust("faster")  # nothing to raise
     assert throttle.rate is None
 
 
-def test_the_rate_never_goes_below_the_minimum() -> None:
+def test_the_rate_never_goes_below_the_stretch_floor_nor_the_minimum() -> None:
     fake = FakeTime()
     throttle = _measured(fake, rate=20 * MIB)
     for _ in range(10):
         throttle.adjust("slower")
-    assert throttle.rate == MIN_RATE
+    assert throttle.rate == pytest.approx(20 * MIB / MAX_STRETCH)
+    slow = _measured(FakeTime(), rate=4 * MIB)  # its floor (2.7 MiB/s) is below the minimum
+    slow.adjust("slower")
+    assert slow.rate == MIN_RATE
 
 
 def test_slower_before_anything_was_measured_is_ignored() -> None:
@@ -103,19 +111,19 @@ def test_a_write_that_resumes_starts_at_the_learned_limit() -> None:
     fake = FakeTime()
     throttle = _measured(fake)
     throttle.adjust("slower")
-    throttle.adjust("faster")  # 300 MiB/s: the limit this write ended with
+    throttle.adjust("faster")  # 400 MiB/s: the limit this write ended with
     throttle.reset(resume=True)  # the next write, training goes on
-    assert throttle.rate == pytest.approx(300 * MIB)
-    assert throttle.consume(30 * MIB) == pytest.approx(0.1)  # held back from its first chunk
+    assert throttle.rate == pytest.approx(400 * MIB)
+    assert throttle.consume(40 * MIB) == pytest.approx(0.1)  # held back from its first chunk
     throttle.reset()  # a write while nobody trains: full speed
     assert throttle.rate is None
     throttle.adjust("release")  # wait(): lifts the limit, remembers it
     throttle.reset(resume=True)
-    assert throttle.rate == pytest.approx(300 * MIB)
+    assert throttle.rate == pytest.approx(400 * MIB)
     fake.now += QUIET_SECONDS + 0.1  # silence lifts the limit, remembers it too
     assert throttle.consume(64 * MIB) == 0.0
     throttle.reset(resume=True)
-    assert throttle.rate == pytest.approx(300 * MIB)
+    assert throttle.rate == pytest.approx(400 * MIB)
 
 
 def test_a_lifted_limit_leaves_nothing_to_resume() -> None:
@@ -123,7 +131,7 @@ def test_a_lifted_limit_leaves_nothing_to_resume() -> None:
     throttle = _measured(fake)
     throttle.adjust("slower")
     for _ in range(4):
-        throttle.adjust("faster")  # 300, 450, 675 MiB/s, then past 2 x 400: lifted
+        throttle.adjust("faster")  # 400, 600 MiB/s, then past 2 x 400: lifted
     assert throttle.rate is None and throttle.learned_rate is None
     throttle.reset(resume=True)
     assert throttle.rate is None
