@@ -292,6 +292,7 @@ class StageHandle:
         self.staged_upto = 0
         self.room: RingRoom | None = None  # a streamed save: what the writer has freed of the ring
         self._cond = threading.Condition()
+        self._on_finish: list[threading.Event] = []
 
     def publish(self, upto: int) -> None:
         """The staging thread: the arena bytes below ``upto`` are in place."""
@@ -304,8 +305,19 @@ class StageHandle:
         with self._cond:
             if self.error is None:
                 self.staged_upto = self.size
+            for event in self._on_finish:
+                event.set()
             self.done.set()
             self._cond.notify_all()
+
+    def set_when_done(self, event: threading.Event) -> None:
+        """Set ``event`` when the copy ends, before ``done``: whoever waited for ``done`` (an
+        optimizer step held by :class:`StepGuard`) then finds ``event`` set too."""
+        with self._cond:
+            if self.done.is_set():
+                event.set()
+            else:
+                self._on_finish.append(event)
 
     def wait(self) -> None:
         """Block until the copies finished; raise what the copy raised."""

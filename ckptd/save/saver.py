@@ -301,8 +301,8 @@ class Saver:
         if handle is None or handle.done.is_set():
             request.staged.set()
         elif staging_mode == "background":
+            handle.set_when_done(request.staged)  # set before the next optimizer step may go on
             self.guard.add(handle)
-            self._stager.submit(_mark_staged, handle, request)
         return SaveJob(
             request=request,
             arena=arena,
@@ -701,8 +701,3 @@ def _writer_stopped(done: Future[Any], room: RingRoom) -> None:
     error = done.exception()
     if error is not None:
         room.fail(error)
-
-
-def _mark_staged(handle: StageHandle, request: SaveRequest) -> None:
-    handle.done.wait()
-    request.staged.set()
