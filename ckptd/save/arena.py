@@ -72,6 +72,9 @@ class StagingArena:
         self.segment = SharedSegment.create(aligned)  # reserved (fallocate) either way
         self.plan: RankPlan | None = None
         self.busy = False
+        # No copy has faulted its pages in yet (not pre-faulted): the next save's copy is slower
+        # than its write, so that save writes each chunk as soon as it is copied (Saver.start).
+        self.new_memory = not populate
         self._base: torch.Tensor | None = torch.frombuffer(self.segment.mmap, dtype=torch.uint8)
         if populate:
             # Pre-faulted: the first copy then only copies.  The pages are faulted in by writing

@@ -127,12 +127,10 @@ class SaveJob:
     overwrite: bool
     started: float
     staging_mode: str = "blocking"  # one of options.STAGING_MODES, as async_save was given it
+    # The writer may start before the copy is over: "pipelined" and "background", and a blocking
+    # save into new staging memory (the copy faults its pages in and is slower than the write).
+    pipelined: bool = False
     progress: _Progress = field(default_factory=_Progress)
-
-    @property
-    def pipelined(self) -> bool:
-        """The writer may start before the copy is over (``"pipelined"`` and ``"background"``)."""
-        return self.staging_mode != "blocking"
 
 
 class Saver:
@@ -246,7 +244,9 @@ class Saver:
         (one of ``STAGING_MODES``, checked by the caller): with ``"background"`` the next
         optimizer step waits for the copy; otherwise the caller queues the job and then waits in
         :meth:`finish_staging`.  With ``"pipelined"`` and ``"background"`` the writer starts on
-        the first chunks while the copy goes on; with ``"blocking"`` once the copy is over.
+        the first chunks while the copy goes on; with ``"blocking"`` once the copy is over, unless
+        the arena is new memory (a first save without ``prepare()``): that copy also faults the
+        pages in, so it is the slower half, and the writer writes the chunks it has copied.
         """
         flats: list[FlatComponent] = []
 
@@ -267,10 +267,13 @@ class Saver:
         waited = 0.0
         staged_at = time.perf_counter()
         request = SaveRequest(step, final)
+        pipelined = staging_mode != "blocking"
         try:
             if rank_plan.pieces:
                 arena, waited = self.pool.acquire(rank_plan)
                 staged_at = time.perf_counter()
+                pipelined = pipelined or arena.new_memory
+                arena.new_memory = False
                 try:
                     tensors = {c.name: c.tensors for c in flats}
                     # Always on the staging thread: the writer starts on the first chunks while
@@ -318,6 +321,7 @@ class Saver:
             overwrite=overwrite,
             started=started,
             staging_mode=staging_mode,
+            pipelined=pipelined,
             progress=_Progress(staged_at=staged_at),
         )
 

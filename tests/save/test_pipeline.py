@@ -1,6 +1,7 @@
 """Pipelined saves: with background or pipelined staging the writer writes the first shard files
 (and the first chunks of a file) while the staging copy is still filling the arena; with blocking
-staging (the default) it writes nothing until the copy is over.  A copy that fails or a writer
+staging (the default) it writes nothing until the copy is over, unless the arena is new memory (a
+first save without ``prepare()``), whose copy is the slower half.  A copy that fails or a writer
 that dies mid-pipeline abandons the save cleanly.
 
 Overlap is observed without timing: a staging hook (``StagingPool.after_copy``) holds the copy
@@ -71,11 +72,13 @@ def written(ckpt: ckptd.Checkpointer) -> int:
     return int(ckpt.health_check()["bytes_written"])
 
 
-def save_in_thread(ckpt: ckptd.Checkpointer, state: Any, **kwargs: Any) -> tuple[threading.Thread, list[Any]]:
-    """``ckpt.async_save(1, state, **kwargs)`` on a thread of its own (it blocks while the copy is
-    held); the list receives its request."""
+def save_in_thread(
+    ckpt: ckptd.Checkpointer, state: Any, step: int = 1, **kwargs: Any
+) -> tuple[threading.Thread, list[Any]]:
+    """``ckpt.async_save(step, state, **kwargs)`` on a thread of its own (it blocks while the
+    copy is held); the list receives its request."""
     returned: list[Any] = []
-    caller = threading.Thread(target=lambda: returned.append(ckpt.async_save(1, state, **kwargs)), daemon=True)
+    caller = threading.Thread(target=lambda: returned.append(ckpt.async_save(step, state, **kwargs)), daemon=True)
     caller.start()
     return caller, returned
 
@@ -239,11 +242,24 @@ def test_a_pipelined_save_writes_during_the_copy_and_returns_once_the_copy_is_do
     assert_same(state["model"], ckpt.load(1)["model"])
 
 
+def warm_up(ckpt: ckptd.Checkpointer, hold: Hold, state: Any, *, prepare: bool) -> None:
+    """Fault the arena's pages in (``prepare()``, or a save of step 0) before the held save."""
+    ckpt._pool.after_copy = None
+    if prepare:
+        ckpt.prepare(state)
+    else:
+        ckpt.save(0, state)
+    ckpt._pool.after_copy = hold
+
+
 @pytest.mark.timeout(120)
-def test_a_blocking_save_writes_nothing_until_the_copy_is_over(hold_after_w1):
-    """The default mode: the copy has the machine to itself, the writer starts after it."""
+@pytest.mark.parametrize("prepare", [False, True], ids=["after-a-save", "after-prepare"])
+def test_a_blocking_save_writes_nothing_until_the_copy_is_over(hold_after_w1, prepare):
+    """The default mode: the copy has the machine to itself, the writer starts after it (once
+    the arena's memory is faulted in: see the next test)."""
     ckpt, hold = hold_after_w1
     state = make_state()
+    warm_up(ckpt, hold, state, prepare=prepare)
     before = written(ckpt)
     caller, returned = save_in_thread(ckpt, state)
     assert hold.reached.wait(30)
@@ -258,6 +274,37 @@ def test_a_blocking_save_writes_nothing_until_the_copy_is_over(hold_after_w1):
     result = returned[0].result(60)
     assert result.bytes_written >= 3 * 4 * MIB
     assert_same(state["model"], ckpt.load(1)["model"])
+
+
+@pytest.mark.timeout(120)
+def test_a_blocking_save_into_new_staging_memory_writes_during_the_copy(hold_after_w1, root):
+    """The first save without prepare(): its copy faults the arena's pages in, slower than the
+    write, so the writer writes the chunks already copied; the call still returns after the copy."""
+    ckpt, hold = hold_after_w1
+    state = make_state()
+    assert ckpt.health_check()["arena_bytes"] == 0  # no arena yet: this save creates it
+    caller, returned = save_in_thread(ckpt, state)
+    assert hold.reached.wait(30)
+    wait_for(lambda: written(ckpt) >= 4 * MIB)  # file 1 written while async_save still copies
+    assert not returned and caller.is_alive()
+    hold.release.set()
+    caller.join(30)
+    assert len(returned) == 1 and returned[0].staged.is_set()
+    returned[0].result(60)
+    assert_same(state["model"], ckpt.load(1)["model"])
+    # The next blocking save reuses the arena, now faulted in: it writes after the copy again.
+    before = written(ckpt)
+    hold.reached.clear()
+    hold.release.clear()
+    caller, returned = save_in_thread(ckpt, make_state(), step=2)
+    assert hold.reached.wait(30)
+    time.sleep(2.0)
+    assert written(ckpt) == before
+    hold.release.set()
+    caller.join(30)
+    assert len(returned) == 1
+    returned[0].result(60)
+    assert ckpt.steps() == [1, 2]
 
 
 @pytest.mark.timeout(120)
