@@ -8,8 +8,9 @@ floor are medians of the per-pair ratios.  User-facing baselines (DCP, safetenso
 reported beside them and labelled so.
 
 * S: ``bench_save.py``: warm blocking vs the copy floor (defaults, ``pipelined``, ``prepare``, background
-  staging); warm ``async_save`` -> committed vs the write floor; the first save (constructor and
-  writer start included) vs the write floor + 0.3 s; DCP ``async_save`` (process mode);
+  staging); warm ``async_save`` -> committed vs the write floor; the first save of each run
+  (constructor and writer start included) vs the cold floor, as a reference (one sample; F decides);
+  DCP ``async_save`` (process mode);
 * F: ``bench_first_save.py``: a first save (constructor included) in fresh processes, 8 per
   configuration, against the cold floor each one measured just before (a ``copy_`` into freshly
   mapped memory + the write floor): the median excess <= 0.2 s;
@@ -309,12 +310,12 @@ def save_targets(data: Results) -> list[Target]:
         rows.append(
             Target(
                 f"S3. first save incl. constructor + writer start, {label} (vs the cold floor just before: "
-                "copy into fresh memory + write floor)",
+                "copy into fresh memory + write floor; one sample: F1 decides the target)",
                 seconds_text(first),
                 seconds_text(floor),
                 f"{first / floor:.2f}x ({first - floor:+.2f} s)",
                 "<= floor + 0.20 s",
-                first - floor <= 0.2,
+                None,  # a reference: one process has one first save; F1 has 8 (bench_first_save.py)
             )
         )
     if prepared:
