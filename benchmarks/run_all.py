@@ -821,7 +821,7 @@ def first_save_targets(results: Results) -> list[Target]:
                 seconds_text(r["cold_floor"]),
                 f"{r['ratio']:.2f}x ({r['excess']:+.2f} s)",
                 "<= floor + 0.20 s",
-                r["excess"] <= 0.2,
+                r["passes"],  # bench_first_save.py's verdict on the median excess (TARGET_SECONDS)
             )
         )
     return rows

@@ -13,6 +13,7 @@ the SHA extensions; BLAKE2b measured 0.75 GB/s on the benchmark VM).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 import crc32c as _crc32c
 
@@ -23,6 +24,7 @@ __all__ = [
     "DIGEST_PREFIX",
     "crc32c",
     "crc32c_combine",
+    "crc32c_concat",
     "crc32c_of_view",
     "format_crc",
     "sha256_of_view",
@@ -88,6 +90,15 @@ def _zero_operators() -> list[list[int]]:
     for _ in range(63):
         out.append(_gf2_square(out[-1]))
     return out
+
+
+def crc32c_concat(parts: Iterable[tuple[int, int]]) -> int:
+    """CRC32C of consecutive byte runs, from each run's ``(CRC32C, length)`` in order (the
+    first run's length is not needed); 0, the CRC32C of no bytes, for no runs."""
+    value: int | None = None
+    for crc, length in parts:
+        value = crc if value is None else crc32c_combine(value, crc, length)
+    return value or 0
 
 
 _ZERO_OPERATORS: list[list[int]] = []

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import ConfigError, CorruptCheckpointError
-from ..formats.checksum import crc32c, crc32c_combine, format_crc
+from ..formats.checksum import crc32c, crc32c_concat, format_crc
 from ..storage import RangeReader
 from ..storage.local_read import LocalReader
 from .direct import cut_pieces, run_tasks
@@ -141,9 +141,7 @@ def read_verified(files: Sequence[InlineFile]) -> None:
         spans.append((values, [sum(n for _, _, n in group) for group in grouped]))
     run_tasks(tasks)
     for file, (values, lengths) in zip(files, spans, strict=True):
-        value = values[0] if values else 0
-        for crc, length in zip(values[1:], lengths[1:], strict=True):
-            value = crc32c_combine(value, crc, length)
+        value = crc32c_concat(zip(values, lengths, strict=True))
         if format_crc(value) != file.crc32c:
             raise CorruptCheckpointError(
                 f"{file.path}: CRC32C mismatch (manifest {file.crc32c}, file {format_crc(value)}): the file is "

@@ -21,7 +21,7 @@ import mmap
 import queue
 from collections.abc import Callable, Sequence
 
-from ..formats.checksum import crc32c, crc32c_combine
+from ..formats.checksum import crc32c, crc32c_concat
 from ..storage import RangeReader
 from ..storage.held import in_held_memory
 from .direct import run_tasks
@@ -79,13 +79,7 @@ def file_crcs(files: Sequence[tuple[Callable[[], RangeReader], int]]) -> list[in
                 mapping.close()
         for reader in readers:
             reader.close()
-    values = []
-    for out in spans:
-        value = out[0] if out else 0
-        for crc in out[1:]:
-            value = crc32c_combine(value, crc, SPAN)
-        values.append(value)
-    return values
+    return [crc32c_concat((crc, SPAN) for crc in out) for out in spans]
 
 
 def _mapped(reader: RangeReader, mappings: dict[int, tuple[memoryview, mmap.mmap]]) -> memoryview | None:

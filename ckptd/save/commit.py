@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .._version import __version__
 from ..catalog import ManifestCache, discard_directory, read_manifest
 from ..errors import CheckpointExistsError, CorruptCheckpointError, ForeignFilesError, WriterError
-from ..formats.checksum import crc32c, crc32c_combine, format_crc
+from ..formats.checksum import crc32c, crc32c_concat, format_crc
 from ..formats.manifest import (
     STATE_FORMAT,
     ComponentRecord,
@@ -415,13 +415,12 @@ def combine_pieces(
             raise CorruptCheckpointError(f"{name}: taken from {reused[name].source}, but no rank linked or copied it")
         pieces = sorted(results_of_file, key=lambda r: r.file_offset)
         position = 0
-        value = 0
         for piece in pieces:
             if piece.file_offset != position:
                 gap = f"{position}-{piece.file_offset}"
                 raise CorruptCheckpointError(f"{name}: bytes {gap} were not written by any rank")
-            value = crc32c_combine(value, piece.crc32c, piece.size) if position else piece.crc32c
             position += piece.size
+        value = crc32c_concat((piece.crc32c, piece.size) for piece in pieces)
         if position != file.size:
             raise CorruptCheckpointError(f"{name}: {position} of {file.size} bytes were written")
         digest = pieces[0].digest if len(pieces) == 1 else None  # a SHA-256 covers one whole-file write

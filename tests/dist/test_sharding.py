@@ -13,7 +13,7 @@ from ckptd.dist.coverage import ChunkInfo, validate_sharding
 from ckptd.dist.group import Sharing, normalize_sharing
 from ckptd.dist.sharding import Box, ShardedTensor, intersect, paired_runs
 from ckptd.errors import ConfigError, ShardingError
-from ckptd.formats.checksum import crc32c, crc32c_combine
+from ckptd.formats.checksum import crc32c, crc32c_combine, crc32c_concat
 
 
 def test_from_rank_offsets_matches_megatron_semantics():
@@ -91,6 +91,13 @@ def test_crc32c_combine_equals_the_checksum_of_the_whole():
     for piece in pieces[1:]:
         value = crc32c_combine(value, crc32c(piece), len(piece))
     assert value == crc32c(b"".join(pieces))
+
+
+def test_crc32c_concat_folds_runs_in_order():
+    runs = [os.urandom(n) for n in (0, 10, 0, 300, 5)]
+    assert crc32c_concat((crc32c(run), len(run)) for run in runs) == crc32c(b"".join(runs))
+    assert crc32c_concat((crc32c(run), len(run)) for run in reversed(runs)) == crc32c(b"".join(reversed(runs)))
+    assert crc32c_concat([]) == crc32c(b"") == 0
 
 
 class SharingPattern(enum.Enum):  # Forgather's enum, as user code would have it
