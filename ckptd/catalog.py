@@ -12,6 +12,7 @@ import contextlib
 import errno
 import logging
 import os
+import stat
 import threading
 from dataclasses import dataclass
 
@@ -216,6 +217,7 @@ def retire_to_spare(storage: LocalStorage, root: str, path: str) -> None:
     storage.rename_directory(path, aside)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(aside, MANIFEST_NAME))
+    _drop_shared_files(aside)
     spare = os.path.join(root, SPARE_NAME)
     if os.path.lexists(spare):
         discard_directory(storage, spare, label="ckptd-spare")
@@ -223,6 +225,23 @@ def retire_to_spare(storage: LocalStorage, root: str, path: str) -> None:
         os.rename(aside, spare)
     except OSError:  # another retirement won the name: this one is only deleted
         discard_directory(storage, aside)
+
+
+def _drop_shared_files(directory: str) -> None:
+    """Unlink the files of a retired checkpoint that have other links: a spare never reuses
+    them (:func:`~ckptd.storage.local.open_recycled`), and a staging file a trainer maps
+    (:mod:`ckptd.save.file_arena`) becomes free for its next save only once no checkpoint, the
+    spare included, links it."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+                os.unlink(path)
 
 
 def spare_files(root: str) -> dict[str, str]:

@@ -22,6 +22,7 @@ from .errors import CkptdError
 from .formats.json_files import read_small_file
 from .formats.manifest import Manifest, is_foreign_manifest
 from .formats.names import (
+    ARENAS_NAME,
     CLAIM_NAME,
     MANIFEST_NAME,
     host_label,
@@ -31,6 +32,7 @@ from .formats.names import (
 from .storage import Storage
 from .storage.liveness import Hold, claim, is_held
 from .storage.local import LocalStorage
+from .writer.shm import remove_abandoned_files
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,8 @@ def collect_garbage(storage: Storage, root: str, *, older_than: float = _STALE_S
     """Remove, or recover, what crashed saves, overwrites, deletions and consolidations left.
 
     Local: hidden leftovers (``.<name>.tmp-*`` staging directories and files,
-    ``.<name>.replaced-*``, ``.<name>.deleting-*``) whose owner is gone.  A leftover whose lock
+    ``.<name>.replaced-*``, ``.<name>.deleting-*``) whose owner is gone, and a held root's
+    staging files (``.ckptd-arenas``) no live process holds.  A leftover whose lock
     (:mod:`ckptd.storage.liveness`) another process holds is live and never touched, whatever
     its name says; a free lock means the owner is gone for this host's staging and ``replaced``
     leftovers (whatever PID namespace the owner ran in).  Where the lock cannot tell, for other
@@ -96,6 +99,8 @@ def collect_garbage(storage: Storage, root: str, *, older_than: float = _STALE_S
     failures: list[RemovalFailure] = []
     recovered: dict[str, str] = {}
     claims: list[Hold] = []
+    arenas = storage.join(root, ARENAS_NAME)  # a held root's staging files whose trainer died
+    removed.extend(storage.join(arenas, name) for name in remove_abandoned_files(arenas))
     try:
         groups: dict[str, list[tuple[str, str]]] = {}
         for name in storage.list_names(root):

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_same, process_state, wait_for, writers_strike
+from conftest import assert_same, process_state, wait_for, writers_fail, writers_strike
 
 import ckptd
 from ckptd.errors import ConfigError, HeldRootInUseError, UnsafeCheckpointError
@@ -125,12 +125,19 @@ def test_a_restarted_trainer_restores_from_memory_after_a_killpg_and_the_memory_
         assert disk.steps() == [2]
 
 
-def test_a_trainer_killed_mid_save_leaves_its_previous_snapshot_and_never_serves_the_half_written_one(tmp_path):
+@pytest.mark.parametrize("made_by", ["link", "write"])
+def test_a_trainer_killed_mid_save_leaves_its_previous_snapshot_and_never_serves_the_half_written_one(
+    tmp_path, monkeypatch, made_by
+):
     name, local = _name(), str(tmp_path / "local")
-    # the trainer's writer stops itself right after its first write into step 2's staging
-    with writers_strike("write", r"/\.checkpoint-2\.tmp-[^/]+/model-[^/]*\.safetensors$", whom="stop"):
+    if made_by == "write":  # a staging budget: the writer copies the arena into the files
+        monkeypatch.setenv("CKPTD_STAGING_MEMORY", "256MiB")
+    # the trainer's writer stops itself right after it made its first file of step 2's staging
+    # (linked its staging file there, or wrote into it)
+    with writers_strike(made_by, r"/\.checkpoint-2\.tmp-[^/]+/model-[^/]*\.safetensors$", whom="stop"):
         trainer = Trainer(f"shm://{name}", local, last=1, hold=60.0, mode="big")
     root = held_path(name)
+    arenas = os.path.join(root, ".ckptd-arenas")
 
     def staged_bytes() -> int:
         total = 0
@@ -149,6 +156,9 @@ def test_a_trainer_killed_mid_save_leaves_its_previous_snapshot_and_never_serves
         assert_same(_state(1, "big"), restarted.load())
         assert restarted.last_load is not None and restarted.last_load.tier == 0
         assert not [e for e in os.listdir(root) if e.startswith(".checkpoint-2.tmp-")]  # collected at open
+        # the dead trainer's staging files are gone too; step 1's shard files keep their bytes
+        assert not os.path.exists(arenas) or os.listdir(arenas) == []
+        assert_same(_state(1, "big"), restarted.load(1, verify=True))
     wait_for(lambda: not os.path.exists(root), timeout=30)
 
 
@@ -230,10 +240,15 @@ def _shard_inodes(root: str, step: int) -> set[int]:
     return {os.stat(os.path.join(directory, n)).st_ino for n in os.listdir(directory) if n.endswith(".safetensors")}
 
 
-def test_a_save_reuses_the_pages_of_the_checkpoint_retention_dropped(tmp_path):
+@pytest.mark.parametrize("staging_memory", [None, "256MiB"], ids=["staged-files", "budget-spare"])
+def test_a_save_reuses_the_pages_of_the_checkpoint_retention_dropped(tmp_path, staging_memory):
+    # Staged files: step 4 stages into step 1's files once retention dropped it.  With a budget
+    # the writer copies the arena into files, taking the spare's (the dropped checkpoint's).
     name = _name()
     try:
-        with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=300, keep_last=2) as ckpt:
+        with ckptd.Checkpointer(
+            f"shm://{name}", hold_after_exit=300, keep_last=2, staging_memory=staging_memory
+        ) as ckpt:
             inodes = {}
             for step in (1, 2, 3, 4, 5):
                 ckpt.save(step, _state(step, "big"))
@@ -249,6 +264,56 @@ def test_a_save_reuses_the_pages_of_the_checkpoint_retention_dropped(tmp_path):
         ckptd.drop_held(name, force=True)
 
 
+def _arena_inodes(root: str) -> set[int]:
+    directory = os.path.join(root, ".ckptd-arenas")
+    return {os.stat(os.path.join(directory, n)).st_ino for n in os.listdir(directory)}
+
+
+def _bytes_written_by(pid: int) -> int:
+    with open(f"/proc/{pid}/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+
+@pytest.mark.parametrize("keep_last", [1, 3])
+def test_a_held_save_links_the_files_it_staged_into_and_holds_one_state_beyond_its_checkpoints(keep_last):
+    name = _name()
+    try:
+        with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=300, keep_last=keep_last) as ckpt:
+            files_per_save = 0
+            for step in range(1, 7):
+                before = _bytes_written_by(ckpt.writer_pid) if step > 1 else 0
+                ckpt.save(step, _state(step, "big"))
+                shards = _shard_inodes(ckpt.root, step)
+                files_per_save = len(shards)
+                assert shards <= _arena_inodes(ckpt.root), "every shard file is a file the trainer staged into"
+                if step > 1:  # the writer checksummed and linked: it wrote no shard's bytes
+                    assert _bytes_written_by(ckpt.writer_pid) - before < 1024 * 1024
+            assert ckpt.steps() == list(range(7 - keep_last, 7))
+            # the kept checkpoints and the next save's arena: nothing more is held
+            assert len(_arena_inodes(ckpt.root)) == (keep_last + 1) * files_per_save
+            for step in ckpt.steps():  # no save copied into the files of a kept checkpoint
+                assert_same(_state(step, "big"), ckpt.load(step, verify=True))
+        assert os.listdir(os.path.join(held_path(name), ".ckptd-arenas")) == []  # close() drops its names
+        with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=300) as reopened:  # the files stay whole
+            assert_same(_state(6, "big"), reopened.load(6, verify=True))
+    finally:
+        ckptd.drop_held(name, force=True)
+
+
+def test_a_staged_file_that_cannot_be_linked_is_written(tmp_path):
+    name = _name()
+    try:
+        with writers_fail("link", r"/\.checkpoint-\d+\.tmp-[^/]+/[^/]+\.safetensors$", 18):  # EXDEV
+            with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=300, keep_last=2) as ckpt:
+                for step in (1, 2, 3):
+                    ckpt.save(step, _state(step, "big"))
+                    assert not _shard_inodes(ckpt.root, step) & _arena_inodes(ckpt.root)
+                for step in (2, 3):
+                    assert_same(_state(step, "big"), ckpt.load(step, verify=True))
+    finally:
+        ckptd.drop_held(name, force=True)
+
+
 def test_files_an_incremental_save_linked_into_a_kept_checkpoint_are_never_reused(tmp_path):
     name = _name()
     table = torch.randn(512, 1024, generator=torch.Generator().manual_seed(7))
@@ -256,8 +321,9 @@ def test_files_an_incremental_save_linked_into_a_kept_checkpoint_are_never_reuse
         with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=300, keep_last=2, incremental=True) as ckpt:
             for step in (1, 2, 3):  # declared frozen: saves 2 and 3 link save 1's file of the table
                 ckpt.save(step, {**_state(step, "big"), "table": {"embed": table}}, frozen={"table": ["embed"]})
-            linked = os.stat(os.path.join(ckpt.root, ".ckptd-spare", "table-00001-of-00001.safetensors"))
-            assert linked.st_nlink == 3, "the spare (step 1) shares the table's file with steps 2 and 3"
+            # retention made step 1 the spare, without the table's file that steps 2 and 3 share
+            assert "table-00001-of-00001.safetensors" not in os.listdir(os.path.join(ckpt.root, ".ckptd-spare"))
+            assert os.stat(os.path.join(ckpt.path_for(3), "table-00001-of-00001.safetensors")).st_nlink >= 2
             before = table.clone()
             table.add_(1.0)  # the table changes: save 4 writes the file a spare of that name holds
             ckpt.save(4, {**_state(4, "big"), "table": {"embed": table}})

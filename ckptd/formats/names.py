@@ -17,6 +17,7 @@ import socket
 from dataclasses import dataclass
 
 __all__ = [
+    "ARENAS_NAME",
     "CLAIM_NAME",
     "MANIFEST_NAME",
     "LEGACY_METRICS_NAME",
@@ -58,6 +59,9 @@ with ``tiers`` (roots, cadence, retention; never credentials), which ``ckptd ls`
 SPARE_NAME = ".ckptd-spare"
 """In a held-memory root: the files of the newest checkpoint retention dropped (its manifest
 removed), whose pages the next save's files reuse instead of allocating and clearing new ones."""
+ARENAS_NAME = ".ckptd-arenas"
+"""In a held-memory root: the staging files of the trainers saving there, which the writer links
+into a save's directory as its shard files (:mod:`ckptd.save.file_arena`)."""
 CLAIM_NAME = ".ckptd-claim"
 """Object stores: the create-only object that claims a checkpoint prefix before any shard."""
 

@@ -225,8 +225,8 @@ class PeerSnapshots:
     # ---- memory --------------------------------------------------------------------------
 
     def held_bytes(self) -> dict[str, int]:
-        """Bytes of memory this rank's snapshots (``own``, with the spare whose pages its next
-        save reuses) and the replicas it holds (``replicas``) take now."""
+        """Bytes of memory this rank's snapshots (``own``, with the staging files or spare
+        whose pages its next save reuses) and the replicas it holds (``replicas``) take now."""
         replicas = sum(_tree_bytes(root) for root in self._replica_roots.values())
         return {"own": _tree_bytes(self.checkpointer.root), "replicas": replicas}
 
@@ -399,11 +399,17 @@ def _lap(timings: dict[str, float], phase: str, started: float) -> None:
 
 
 def _tree_bytes(root: str) -> int:
+    """Bytes of the files under ``root``, each file once however many names it has (a held
+    root's staging files are also its checkpoints' shard files)."""
     total = 0
+    seen: set[tuple[int, int]] = set()
     for directory, _, files in os.walk(root):
         for name in files:
             try:
-                total += os.lstat(os.path.join(directory, name)).st_size
+                info = os.lstat(os.path.join(directory, name))
             except FileNotFoundError:
-                pass
+                continue
+            if (info.st_dev, info.st_ino) not in seen:
+                seen.add((info.st_dev, info.st_ino))
+                total += info.st_size
     return total

@@ -42,7 +42,16 @@ from ..writer.shm import SharedSegment
 from .plan import ARENA_ALIGNMENT, RankPlan
 from .streamed import RingRoom, StreamPart, copy_streamed, stream_parts
 
-__all__ = ["StageHandle", "StagingArena", "StepGuard", "arena_bytes", "largest_arena"]
+__all__ = [
+    "StageHandle",
+    "StagingArena",
+    "StepGuard",
+    "arena_bytes",
+    "contiguous_strides",
+    "largest_arena",
+    "pin_pages",
+    "unpin_pages",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +62,7 @@ _STREAM_CHUNK = 16 * 1024 * 1024  # bytes per copy of a streamed save, unless st
 AfterCopy = Callable[[str, str], None]
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of a contiguous tensor of ``shape`` (as torch gives them: a zero dimension
     counts as one)."""
     step, strides = 1, []
@@ -72,6 +81,7 @@ class StagingArena:
         self.segment = SharedSegment.create(aligned)  # reserved (fallocate) either way
         self.plan: RankPlan | None = None
         self.busy = False
+        self.last_used = 0  # the pool's count of saves when one last staged here
         # No copy has faulted its pages in yet (not pre-faulted): the next save's copy is slower
         # than its write, so that save writes each chunk as soon as it is copied (Saver.start).
         self.new_memory = not populate
@@ -86,7 +96,7 @@ class StagingArena:
         self._views: list[tuple[int, str, str, str, torch.Tensor]] = []  # arena offset, file, component, key
         self._stream_parts: list[StreamPart] = []  # a streamed plan's parts (then no views)
         self._stream: Any = None
-        self.pinned = _pin(self._base)
+        self.pinned = pin_pages(self._base)
 
     @property
     def size(self) -> int:
@@ -124,7 +134,7 @@ class StagingArena:
                     dtype = dtype_from_name(part.dtype)
                     whole = typed[part.dtype] = (base.view(dtype), dtype.itemsize)
                 if start % whole[1] == 0:  # always, for plans of ckptd: one view op per tensor
-                    stride = strides.get(part.shape) or strides.setdefault(part.shape, _contiguous_strides(part.shape))
+                    stride = strides.get(part.shape) or strides.setdefault(part.shape, contiguous_strides(part.shape))
                     view = whole[0].as_strided(part.shape, stride, start // whole[1])
                 else:
                     view = base[start : start + part.nbytes].view(dtype_from_name(part.dtype)).view(part.shape)
@@ -270,7 +280,7 @@ class StagingArena:
         self._stream_parts = []
         self.plan = None
         if self._base is not None and self.pinned:
-            _unpin(self._base)
+            unpin_pages(self._base)
         self._base = None
         self.segment.close()
 
@@ -422,7 +432,9 @@ def arena_bytes(size: int, limit: int | None) -> int:
     return max(aligned, mmap.PAGESIZE)
 
 
-def _pin(base: torch.Tensor) -> bool:
+def pin_pages(base: torch.Tensor) -> bool:
+    """Page-lock ``base``'s memory for CUDA copies (``cudaHostRegister``); False without CUDA or
+    when the driver refuses (the memory then stays pageable)."""
     if not torch.cuda.is_available():
         return False
     result = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), base.numel(), 0)
@@ -432,5 +444,6 @@ def _pin(base: torch.Tensor) -> bool:
     return True
 
 
-def _unpin(base: torch.Tensor) -> None:
+def unpin_pages(base: torch.Tensor) -> None:
+    """Undo :func:`pin_pages`."""
     torch.cuda.cudart().cudaHostUnregister(base.data_ptr())

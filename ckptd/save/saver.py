@@ -57,6 +57,7 @@ from .commit import (
 from .coordinate import Coordinator, Outcome, Report, Round, SoloCoordinator, StoreCoordinator
 from .describe import Describer, Payload
 from .exchange import Exchange, PlanBook, Planned, planned_alone
+from .file_arena import FileArena, adoptable, arena_directory
 from .flatten import FlatComponent
 from .incremental import IncrementalPolicy, Reuse
 from .plan import RankPlan, SavePlan, plan_save
@@ -193,6 +194,9 @@ class Saver:
         # save's files reuse its pages (allocating and clearing new tmpfs pages costs the writer
         # about as much CPU again as the copy itself).
         self.recycles = storage.local and in_held_memory(root)
+        # There, a save's shard files are the files it staged into (file_arena): the pool keeps
+        # the kept checkpoints' arenas mapped, for the save after their deletion.
+        pool.lent_limit = max(1, options.keep_last or 2)
 
     def apply_keep_last(self) -> None:
         """``keep_last`` once more, on the coordinator: the checkpoints it kept while they were
@@ -270,7 +274,7 @@ class Saver:
         pipelined = staging_mode != "blocking"
         try:
             if rank_plan.pieces:
-                arena, waited = self.pool.acquire(rank_plan)
+                arena, waited = self.pool.acquire(rank_plan, files_in=self._staging_files(rank_plan, reuse))
                 staged_at = time.perf_counter()
                 pipelined = pipelined or arena.new_memory
                 arena.new_memory = False
@@ -375,10 +379,18 @@ class Saver:
         rank_plan = planned.rank_plan
         if not rank_plan.pieces:
             return 0
-        arena, _ = self.pool.acquire(rank_plan, populate=True)
+        arena, _ = self.pool.acquire(rank_plan, populate=True, files_in=self._staging_files(rank_plan, planned.reuse))
         self.pool.release(arena)
         self.writer.ensure_running()  # hands the arena to the writer now, not at the first save
         return arena.size
+
+    def _staging_files(self, rank_plan: RankPlan, reuse: Reuse) -> str | None:
+        """Where this save stages into files that become its shard files (a held-memory root,
+        :mod:`ckptd.save.file_arena`), or ``None`` for a shared-memory arena: a budget, a
+        reused or compared file, or a file shared with other ranks keeps the writer's copy."""
+        if not self.recycles or self.pool.budget is not None or reuse.reused or reuse.hashed:
+            return None
+        return arena_directory(self.root) if adoptable(rank_plan) else None
 
     @property
     def last_rank_plan(self) -> RankPlan | None:
@@ -551,7 +563,8 @@ class Saver:
                 # Training goes on: the writer starts at the limit it learned in earlier saves.
                 resume, writing = self.steps.writing_started(), True
             order = WriteOrder(
-                arena_id=job.arena.arena_id if job.arena is not None else 0,
+                # A FileArena's files are attached one by one (FileSpec.adopt); arena 0 is none
+                arena_id=job.arena.arena_id if job.arena is not None and not isinstance(job.arena, FileArena) else 0,
                 directory=job.staging,
                 files=files,
                 copies=copies,
@@ -601,7 +614,8 @@ class Saver:
                     copies.append(CopySpec(p.file_name, reused.source, reused.size, crc, reused.digest))
                 continue
             hashed = job.reuse.hashed.get(p.file_name) if p.whole_file and compare else None
-            recycle = spares.get(p.file_name) if p.whole_file and hashed is None else None  # see open_recycled
+            adopt = job.arena.writer_id(p.file_name) if isinstance(job.arena, FileArena) else None
+            recycle = spares.get(p.file_name) if p.whole_file and hashed is None and adopt is None else None
             files.append(
                 FileSpec(
                     p.file_name,
@@ -613,6 +627,7 @@ class Saver:
                     unchanged_if=hashed.digest if hashed is not None else None,
                     source=hashed.source if hashed is not None else None,
                     recycle=recycle,
+                    adopt=adopt,
                 )
             )
         return files, copies
@@ -687,6 +702,8 @@ class Saver:
             bytes_written = sum(f.size for f in files if f.reused is None)
             bytes_linked = sum(f.size for f in files if f.reused == "link")
             bytes_copied = sum(f.size for f in files if f.reused in ("copy", "server_copy"))
+        if isinstance(job.arena, FileArena):  # the next save's files, made in the background
+            self.pool.provision(job.rank_plan, arena_directory(self.root))
         job.request.timings["total"] = time.perf_counter() - job.started
         return SaveResult(
             job.request.step,

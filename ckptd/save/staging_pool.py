@@ -5,6 +5,12 @@ writer; a save takes a free one laid out for its plan (the same layout first, el
 that fits, else a new one, unmapping a free one if the pool is full) and waits while all are
 busy.  With a ``staging_memory`` budget the arenas together never hold more; a plan larger than
 the budget is streamed through one arena of the budget's size (:mod:`ckptd.save.streamed`).
+
+A save to a held-memory root stages into a :class:`~ckptd.save.file_arena.FileArena` when its
+plan allows: files that become the checkpoint's.  Such an arena is *lent* while a checkpoint
+links its files; lent arenas do not count against ``max_in_flight`` (they are the kept
+checkpoints' memory, not staging memory), and beyond ``lent_limit`` of them the oldest is
+forgotten (unmapped, its names removed: the checkpoint keeps its bytes).
 """
 
 from __future__ import annotations
@@ -12,11 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import WriterError
 from ..writer.client import InProcessWriter, WriterClient
 from ..writer.owner import reset_in_fork_child
 from .arena import AfterCopy, StagingArena, arena_bytes, largest_arena
+from .file_arena import FileArena
 from .plan import RankPlan
 
 __all__ = ["StagingPool"]
@@ -40,12 +49,20 @@ class StagingPool:
         self._next_id = 0
         self._cond = threading.Condition()
         self._closed = False
+        self._uses = 0
+        self._provisioning = 0  # FileArenas being created in the background (provision)
+        self._provisioner: ThreadPoolExecutor | None = None
+        self.lent_limit = 2  # lent FileArenas kept mapped for reuse (the Saver sets keep_last)
         self.after_copy: AfterCopy | None = None  # passed to every stage() (a test seam)
         reset_in_fork_child(self)
 
-    def acquire(self, plan: RankPlan, *, populate: bool = False) -> tuple[StagingArena, float]:
+    def acquire(
+        self, plan: RankPlan, *, populate: bool = False, files_in: str | None = None
+    ) -> tuple[StagingArena, float]:
         """A free arena laid out for ``plan``, waiting while all are busy; a new arena is
         pre-faulted only with ``populate`` (``prepare()``: the first save then only copies).
+        ``files_in``: a directory for a :class:`FileArena` (the plan must be
+        :func:`~ckptd.save.file_arena.adoptable`).
 
         Returns the arena and the seconds spent waiting (back-pressure).
         """
@@ -56,9 +73,11 @@ class StagingPool:
                     raise WriterError(
                         "the staging pool is closed: the Checkpointer was closed while a save waited for an arena"
                     )
-                arena = self._pick(plan, populate)
+                arena = self._pick(plan, populate, files_in)
                 if arena is not None:
                     arena.busy = True
+                    self._uses += 1
+                    arena.last_used = self._uses
                     break
                 self._cond.wait()
         waited = time.perf_counter() - started
@@ -69,23 +88,128 @@ class StagingPool:
             raise
         return arena, waited
 
-    def _pick(self, plan: RankPlan, populate: bool) -> StagingArena | None:
-        free = [a for a in self._arenas if not a.busy]
+    def _pick(self, plan: RankPlan, populate: bool, files_in: str | None) -> StagingArena | None:
+        self._forget_lent()
+        free = [a for a in self._arenas if not a.busy and not _lent(a)]
         for arena in free:
-            if arena.plan is not None and arena.plan.signature == plan.signature:
+            if (
+                arena.plan is not None
+                and arena.plan.signature == plan.signature
+                and (isinstance(arena, FileArena) == (files_in is not None))
+            ):
                 return arena
+        if files_in is not None:
+            if self._provisioning:
+                return None  # the next one is being made: wait for it
+            while self._staging_count() >= self.max_in_flight:
+                if not free:
+                    return None
+                self._evict(free.pop(0))
+            return self._create_files(plan, populate, files_in)
+        free = [a for a in free if not isinstance(a, FileArena)] + [a for a in free if isinstance(a, FileArena)]
         needed = plan.arena_size if self.budget is None else min(plan.arena_size, largest_arena(self.budget))
-        fitting = [a for a in free if a.size >= needed]
+        fitting = [a for a in free if a.size >= needed and not isinstance(a, FileArena)]
         if fitting:
             return min(fitting, key=lambda a: a.size)
-        while len(self._arenas) >= self.max_in_flight or not self._room_for(needed):
+        while self._staging_count() >= self.max_in_flight or not self._room_for(needed):
             if not free:
                 return None  # wait for a busy arena to come back
-            victim = free.pop(0)
-            self._arenas.remove(victim)
-            self.writer.detach_arena(victim.arena_id)
-            victim.close()
+            self._evict(free.pop(0))
         return self._create(needed, populate)
+
+    def _staging_count(self) -> int:
+        """Arenas that count against ``max_in_flight``: all but the lent ones."""
+        return sum(1 for a in self._arenas if not _lent(a))
+
+    def _evict(self, arena: StagingArena) -> None:
+        self._arenas.remove(arena)
+        for writer_id in _writer_ids(arena):
+            self.writer.detach_arena(writer_id)
+        arena.close()
+
+    def _forget_lent(self) -> None:
+        """Keep at most ``lent_limit`` lent arenas, forgetting the least recently used."""
+        lent = sorted((a for a in self._arenas if not a.busy and _lent(a)), key=lambda a: a.last_used)
+        for arena in lent[: max(0, len(lent) - self.lent_limit)]:
+            logger.debug("forgetting staging arena %d: its files stay with the checkpoint", arena.arena_id)
+            self._evict(arena)
+
+    def _create_files(self, plan: RankPlan, populate: bool, directory: str) -> FileArena:
+        self._next_id += 1
+        arena = FileArena(self._next_id, plan, directory, self._writer_ids(), populate)
+        try:
+            for writer_id, segment in arena.writer_segments:
+                self.writer.attach_arena(writer_id, segment)
+        except BaseException:
+            for writer_id, _ in arena.writer_segments:
+                self.writer.detach_arena(writer_id)
+            arena.close()
+            raise
+        self._arenas.append(arena)
+        logger.debug("created staging arena %d: %d file(s) in %s", arena.arena_id, len(arena.files), directory)
+        return arena
+
+    def provision(self, plan: RankPlan, directory: str) -> None:
+        """After a save into a :class:`FileArena` (now lent to its checkpoint): when no free one
+        of ``plan``'s layout is left, make the next one in the background, its pages faulted in,
+        so that the next save's copy does not allocate memory while training waits (until the
+        ring is whole: ``keep_last`` lent arenas and one free)."""
+        with self._cond:
+            if (
+                self._closed
+                or self._provisioning
+                or any(
+                    isinstance(a, FileArena)
+                    and not a.busy
+                    and not a.lent
+                    and a.plan is not None
+                    and a.plan.signature == plan.signature
+                    for a in self._arenas
+                )
+            ):
+                return
+            if sum(1 for a in self._arenas if isinstance(a, FileArena)) > self.lent_limit:
+                return  # the ring is whole: retention will free one
+            self._provisioning += 1
+            if self._provisioner is None:
+                self._provisioner = ThreadPoolExecutor(1, thread_name_prefix="ckptd-provision")
+            self._next_id += 1
+            arena_id = self._next_id
+        self._provisioner.submit(self._provide, arena_id, plan, directory)
+
+    def _provide(self, arena_id: int, plan: RankPlan, directory: str) -> None:
+        arena: FileArena | None = None
+        try:
+            with self._cond:
+                ids = [self._writer_id() for _ in plan.pieces]
+            arena = FileArena(arena_id, plan, directory, iter(ids), populate=True)
+            for writer_id, segment in arena.writer_segments:
+                self.writer.attach_arena(writer_id, segment)
+        except Exception:
+            logger.debug("ckptd: could not prepare the next staging arena in the background", exc_info=True)
+            if arena is not None:
+                for writer_id, _ in arena.writer_segments:
+                    self.writer.detach_arena(writer_id)
+                arena.close()
+                arena = None
+        finally:
+            with self._cond:
+                self._provisioning -= 1
+                if arena is not None:
+                    if self._closed:
+                        arena.close()
+                    else:
+                        self._arenas.append(arena)
+                self._cond.notify_all()
+
+    def _writer_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def _writer_ids(self) -> Iterator[int]:
+        while True:
+            self._next_id += 1
+            yield self._next_id
 
     def _room_for(self, size: int) -> bool:
         if self.budget is None:
@@ -112,6 +236,11 @@ class StagingPool:
 
     def close(self) -> None:
         """Free every arena (callers make sure no write still reads them)."""
+        provisioner, self._provisioner = self._provisioner, None
+        if provisioner is not None:
+            with self._cond:
+                self._closed = True
+            provisioner.shutdown(wait=True)  # an arena being made is closed by its thread
         with self._cond:
             self._closed = True
             for arena in self._arenas:
@@ -124,6 +253,7 @@ class StagingPool:
         and no arenas (the parent's are the parent's writer's; the child's mappings are freed)."""
         self._cond = threading.Condition()
         self._closed = True
+        self._provisioner, self._provisioning = None, 0  # its thread is the parent's
         for arena in self._arenas:
             arena.pinned = False  # CUDA is unusable after fork(): the parent unpins its own mapping
             arena.close()
@@ -131,4 +261,16 @@ class StagingPool:
 
     @property
     def bytes_reserved(self) -> int:
-        return sum(a.size for a in self._arenas)
+        """Bytes of staging memory (lent arenas are their checkpoints' memory)."""
+        return sum(a.size for a in self._arenas if not _lent(a))
+
+
+def _lent(arena: StagingArena) -> bool:
+    return isinstance(arena, FileArena) and arena.lent
+
+
+def _writer_ids(arena: StagingArena) -> list[int]:
+    """The ids under which the writer maps ``arena``."""
+    if isinstance(arena, FileArena):
+        return [writer_id for writer_id, _ in arena.writer_segments]
+    return [arena.arena_id]

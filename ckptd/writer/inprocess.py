@@ -70,7 +70,8 @@ class InProcessWriter:
         self, request: WriteFiles, gate: StagingGate | None = None, on_freed: Callable[[int], None] | None = None
     ) -> Message:
         segment = self._arenas.get(request.arena_id)
-        if segment is None and (request.files or request.arena_id):  # arena 0: only copies
+        # Arena 0: only copies, or files that are attached segments of their own (adopt)
+        if segment is None and (request.arena_id or any(f.adopt is None for f in request.files)):
             raise WriterError(
                 f"write request names staging arena {request.arena_id}, which is not attached to the "
                 f"in-process writer (attached: {sorted(self._arenas)})"
@@ -86,6 +87,7 @@ class InProcessWriter:
                 on_progress=self._count,
                 gate=gate,
                 on_freed=on_freed,
+                segments=self._arenas,
             )
         finally:
             self._busy = False

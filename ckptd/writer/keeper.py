@@ -248,10 +248,14 @@ def _remove_root(name: str) -> None:
 def _describe(name: str) -> HeldRoot:
     path = held_path(name)
     nbytes = 0
+    seen: set[tuple[int, int]] = set()  # a file linked into several checkpoints is memory once
     for directory, _, files in os.walk(path):
         for file in files:
             with contextlib.suppress(OSError):
-                nbytes += os.lstat(os.path.join(directory, file)).st_blocks * 512
+                info = os.lstat(os.path.join(directory, file))
+                if (info.st_dev, info.st_ino) not in seen:
+                    seen.add((info.st_dev, info.st_ino))
+                    nbytes += info.st_blocks * 512
     in_use = False
     with contextlib.suppress(FileNotFoundError):
         fd = os.open(control_path(name, "inuse"), os.O_RDONLY | os.O_CLOEXEC)

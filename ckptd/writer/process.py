@@ -185,7 +185,8 @@ class _Writer:
 
     def _write(self, request: WriteFiles) -> FilesWritten:
         segment = self.arenas.get(request.arena_id)
-        if segment is None and (request.files or request.arena_id):  # arena 0: only copies
+        # Arena 0: only copies, or files that are attached segments of their own (adopt)
+        if segment is None and (request.arena_id or any(f.adopt is None for f in request.files)):
             raise WriterError(
                 f"write request {request.request_id} names staging arena {request.arena_id}, "
                 f"which is not attached to the writer (attached: {sorted(self.arenas)})"
@@ -204,6 +205,7 @@ class _Writer:
                 on_progress=self._count,
                 gate=gate,
                 on_freed=lambda upto: self._tell_freed(request.request_id, upto),
+                segments=self.arenas,
             )
             return dataclasses.replace(written, throttled=self.throttle.throttled_seconds - slept_before)
         except Stopped as e:

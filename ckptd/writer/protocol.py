@@ -56,7 +56,8 @@ __all__ = [
     "WriteOrder",
 ]
 
-PROTOCOL_VERSION = 5  # 2: pipelined writes (WriteFiles.staged, Staged); 3: Throttle; 4: copies, digests; 5: Freed
+# 2: pipelined writes (WriteFiles.staged, Staged); 3: Throttle; 4: copies, digests; 5: Freed; 6: FileSpec.adopt
+PROTOCOL_VERSION = 6
 _MAX_FRAME = 256 * 1024 * 1024
 _MAX_FDS = 4
 
@@ -74,7 +75,12 @@ class FileSpec:
     being written.  ``recycle``: a file of a retired checkpoint of a held-memory root (its
     spare, ``.ckptd-spare``), renamed into place and overwritten when it can be (no larger than
     ``size``, no other link: :func:`~ckptd.storage.local.open_recycled` decides): its
-    pages are reused instead of new ones allocated and cleared (a whole file only)."""
+    pages are reused instead of new ones allocated and cleared (a whole file only).
+
+    ``adopt``: the id of an attached segment that *is* this file (a held-memory root's staging
+    file, :mod:`ckptd.save.file_arena`): the writer checksums its first ``size`` bytes, once
+    staged up to ``arena_offset + size``, and hard-links it to ``name`` instead of writing.  If
+    the link fails it writes the bytes from that segment."""
 
     name: str
     arena_offset: int
@@ -85,6 +91,7 @@ class FileSpec:
     unchanged_if: str | None = None
     source: str | None = None
     recycle: str | None = None
+    adopt: int | None = None
 
 
 @dataclass(frozen=True)

@@ -6,18 +6,25 @@ its memory lives exactly as long as some process holds its file descriptor or a 
 trainer or writer killed with SIGKILL leaves nothing behind.  The descriptor is handed to the
 writer process over a Unix socket (``SCM_RIGHTS``).
 
+A segment can also be a named file (:meth:`SharedSegment.create_file`): a staging arena of a
+held-memory root whose file becomes a checkpoint's file by a hard link
+(:mod:`ckptd.save.file_arena`).  Its creator holds a shared ``flock`` on it for as long as some
+process keeps it open, and unlinks its own name when it closes it.
+
 This module imports nothing heavy: the writer process uses it too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import mmap
 import os
 import secrets
 
 from ..errors import StorageError, WriterError
 
-__all__ = ["SharedSegment"]
+__all__ = ["SharedSegment", "remove_abandoned_files"]
 
 _MEMFD = hasattr(os, "memfd_create")
 
@@ -25,9 +32,11 @@ _MEMFD = hasattr(os, "memfd_create")
 class SharedSegment:
     """A mapped shared-memory segment of ``size`` bytes, owning its file descriptor."""
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, path: str | None = None) -> None:
         self.fd = fd
         self.size = size
+        self.path = path  # a named file this process created (create_file): unlinked at close
+        self._creator = os.getpid()
         self.mmap: mmap.mmap | None = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
     @classmethod
@@ -54,6 +63,39 @@ class SharedSegment:
         except BaseException:
             os.close(fd)
             raise
+
+    @classmethod
+    def create_file(cls, path: str, size: int) -> SharedSegment:
+        """Create the file ``path`` (which must not exist; mode ``0600``) of exactly ``size``
+        bytes, reserve its memory and map it.  Its creator holds a shared ``flock`` on it (so
+        :func:`remove_abandoned_files` knows it is in use) and unlinks the name at :meth:`close`;
+        hard links made meanwhile keep the bytes."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                os.ftruncate(fd, size)
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                reason = os.strerror(e.errno) if e.errno else str(e)
+                raise StorageError(
+                    e.errno or 0,
+                    f"cannot reserve {size} bytes of memory for the staging file {path}: {reason}"
+                    f"{_file_size_limit()}; free memory or /dev/shm, or lower keep_last",
+                ) from e
+            return cls(fd, size, path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+
+    def links(self) -> int:
+        """How many names the segment's file has (a named file linked into a checkpoint: 2 or
+        more; 0 once closed)."""
+        return os.fstat(self.fd).st_nlink if self.fd >= 0 else 0
 
     @classmethod
     def attach(cls, fd: int, size: int) -> SharedSegment:
@@ -86,8 +128,39 @@ class SharedSegment:
                 pass
             self.mmap = None
         if self.fd >= 0:
+            if self.path is not None and os.getpid() == self._creator:  # never a fork()ed child
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
             os.close(self.fd)
             self.fd = -1
+
+
+def remove_abandoned_files(directory: str) -> list[str]:
+    """Unlink the files of ``directory`` (staging files of :meth:`SharedSegment.create_file`)
+    that no live process holds: their creator died without closing them.  Returns the names.
+    A checkpoint that links one keeps its bytes."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held: its creator (or the writer it handed it to) is alive
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(name)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _create_fd(label: str) -> int:

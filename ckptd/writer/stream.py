@@ -8,7 +8,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import cast
@@ -18,9 +18,11 @@ from ..formats.checksum import CHECKSUM_CHUNK, DIGEST_PREFIX, crc32c, crc32c_of_
 from ..storage import Stopped, Storage, StorageTuning, storage_for
 from ..storage.local import LocalStorage
 from ..storage.retry import retries_of
+from .adopt import adopt_file, gated_crc32c
 from .gate import StagingGate, chunk_gate
 from .protocol import CopySpec, FileResult, FileSpec, FilesWritten, WriteFiles
 from .ring import RingArena, RingReader
+from .shm import SharedSegment
 
 __all__ = ["write_files"]
 
@@ -34,6 +36,7 @@ def write_files(
     on_progress: Callable[[int], None],
     gate: StagingGate | None = None,
     on_freed: Callable[[int], None] | None = None,
+    segments: Mapping[int, SharedSegment] | None = None,
 ) -> FilesWritten:
     """Write every file of ``request`` from ``arena`` and make its ``copies``; raises on the
     first failure.
@@ -52,6 +55,9 @@ def write_files(
 
     ``copies`` (files an incremental save takes from the last committed checkpoint) are made by
     the storage's ``copy_file``: hard links on local disk, server-side copies on object stores.
+
+    A file with ``adopt`` is the attached segment of that id in ``segments``: it is checksummed
+    and linked into place (:func:`_adopt_file`), not written.
     """
     started = time.perf_counter()
     storage = storage_for(request.directory, request.storage_options, StorageTuning(**request.tuning))
@@ -67,6 +73,9 @@ def write_files(
         readers = {id(spec): _FileReaders.of(ring, spec, copying=not storage.local) for spec in request.files}
 
     def write_one(spec: FileSpec, fsync: bool = request.fsync) -> FileResult:
+        if spec.adopt is not None:
+            segment = (segments or {}).get(spec.adopt)
+            return adopt_file(storage, request, spec, segment, checksums, should_stop, on_progress, gate)
         if request.streamed:
             return _write_streamed(
                 storage, request, spec, readers[id(spec)], checksums, should_stop, on_progress, fsync
@@ -276,7 +285,7 @@ def _write_file(
     elif spec.digest and spec.whole_file:
         digest = checksums.submit(_gated_digest, data, gate, spec.arena_offset, path, should_stop)
     if gate is not None and not gate.complete:
-        checksum: Future[int] = checksums.submit(_gated_crc32c, data, gate, spec.arena_offset, path, should_stop)
+        checksum: Future[int] = checksums.submit(gated_crc32c, data, gate, spec.arena_offset, path, should_stop)
     else:
         checksum = checksums.submit(crc32c_of_view, data)
     try:
@@ -360,15 +369,3 @@ def _gated_digest(
             gate.wait(arena_offset + stop, what, should_stop)
         hasher.update(data[start:stop])
     return DIGEST_PREFIX + hasher.hexdigest()
-
-
-def _gated_crc32c(
-    data: memoryview, gate: StagingGate, arena_offset: int, what: str, should_stop: Callable[[], bool]
-) -> int:
-    """CRC32C of ``data`` (at ``arena_offset`` of the arena), each chunk once it is staged."""
-    value = 0
-    for start in range(0, len(data), CHECKSUM_CHUNK):
-        stop = min(len(data), start + CHECKSUM_CHUNK)
-        gate.wait(arena_offset + stop, what, should_stop)
-        value = crc32c(data[start:stop], value)
-    return value
