@@ -124,16 +124,28 @@ def test_a_damaged_fast_copy_read_with_verify_inline_is_overwritten_by_the_next_
         assert_same(_state(5)["model"], live)
 
 
-def test_a_damaged_source_is_never_promoted_and_leaves_nothing(tmp_path):
-    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
-    with ckptd.Checkpointer(fast) as ckpt:
-        path = ckpt.save(5, _state(5)).path
-    _flip_a_tensor_byte(path)
-    storage = storage_for(slow)
-    os.makedirs(slow)
-    with pytest.raises(CorruptCheckpointError, match="CRC32C"):
-        promote_checkpoint(storage, path, storage, os.path.join(slow, "checkpoint-5"))
-    assert os.listdir(slow) == []
+@pytest.mark.parametrize("fast_tier", ["disk", "held memory"])
+def test_a_damaged_source_is_never_promoted_and_leaves_nothing(tmp_path, fast_tier):
+    # from disk and from held memory (whose files a save staged into): the last piece is never
+    # handed to the target when the file's CRC32C is wrong
+    fast = str(tmp_path / "fast") if fast_tier == "disk" else f"shm://promote-{os.getpid()}"
+    slow = str(tmp_path / "slow")
+    try:
+        with ckptd.Checkpointer(fast, hold_after_exit=300) as ckpt:
+            path = ckpt.save(5, _state(5)).path
+        good = os.path.join(slow, "good")
+        os.makedirs(slow)
+        storage = storage_for(slow)
+        promote_checkpoint(storage_for(path), path, storage, good)  # whole: loads bit for bit
+        with ckptd.Checkpointer(slow) as copy:
+            assert_same(_state(5), copy.load(good, verify=True))
+        _flip_a_tensor_byte(path)
+        with pytest.raises(CorruptCheckpointError, match="CRC32C"):
+            promote_checkpoint(storage_for(path), path, storage, os.path.join(slow, "checkpoint-5"))
+        assert os.listdir(slow) == ["good"]
+    finally:
+        if fast_tier == "held memory":
+            ckptd.drop_held(fast, force=True)
 
 
 def test_tiers_are_checked(tmp_path):
