@@ -398,7 +398,9 @@ class Checkpointer:
     def prepare(self, state: Mapping[str, Any], *, sharing: Mapping[str, Any] | None = None) -> int:
         """Plan ``state`` and allocate (and hand to the writer) its staging arena now, so the
         first :meth:`async_save` of that layout only copies.  Call it once at start-up, on every
-        rank; returns the arena's size in bytes."""
+        rank; returns the arena's size in bytes.  On a held-memory root (``shm://``) it makes
+        ``keep_last + 1`` arenas of staging files, the memory the root holds once it keeps
+        ``keep_last`` checkpoints, so that no early save waits for one."""
         self._check_process()
         self._check_open()
         with self._save_lock:

@@ -300,6 +300,22 @@ def test_a_held_save_links_the_files_it_staged_into_and_holds_one_state_beyond_i
         ckptd.drop_held(name, force=True)
 
 
+def test_prepare_on_a_held_root_makes_the_whole_ring_and_saves_back_to_back_make_no_arena():
+    name = _name()
+    try:
+        with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=300, keep_last=2) as ckpt:
+            ckpt.prepare(_state(0, "big"))
+            ring = _arena_inodes(ckpt.root)
+            for step in range(1, 6):  # no pause between saves: nothing is made in the background
+                ckpt.save(step, _state(step, "big"))
+                assert _shard_inodes(ckpt.root, step) <= ring
+            assert _arena_inodes(ckpt.root) == ring and len(ring) == 3 * len(_shard_inodes(ckpt.root, 5))
+            for step in (4, 5):
+                assert_same(_state(step, "big"), ckpt.load(step, verify=True))
+    finally:
+        ckptd.drop_held(name, force=True)
+
+
 def test_a_staged_file_that_cannot_be_linked_is_written(tmp_path):
     name = _name()
     try:

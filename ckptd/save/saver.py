@@ -379,8 +379,11 @@ class Saver:
         rank_plan = planned.rank_plan
         if not rank_plan.pieces:
             return 0
-        arena, _ = self.pool.acquire(rank_plan, populate=True, files_in=self._staging_files(rank_plan, planned.reuse))
+        files_in = self._staging_files(rank_plan, planned.reuse)
+        arena, _ = self.pool.acquire(rank_plan, populate=True, files_in=files_in)
         self.pool.release(arena)
+        if files_in is not None:  # a held root: the whole ring of staging files
+            self.pool.fill_ring(rank_plan, files_in)
         self.writer.ensure_running()  # hands the arena to the writer now, not at the first save
         return arena.size
 

@@ -149,6 +149,21 @@ class StagingPool:
         logger.debug("created staging arena %d: %d file(s) in %s", arena.arena_id, len(arena.files), directory)
         return arena
 
+    def fill_ring(self, plan: RankPlan, directory: str) -> None:
+        """``prepare()`` on a held root: make every :class:`FileArena` of ``plan``'s layout the
+        ring needs (``lent_limit + 1``) now, pages faulted in, so that no early save waits for
+        one (saves back to back included)."""
+        with self._cond:
+            while not self._closed and self._ring_size(plan) <= self.lent_limit:
+                self._create_files(plan, True, directory)
+
+    def _ring_size(self, plan: RankPlan) -> int:
+        return sum(
+            1
+            for a in self._arenas
+            if isinstance(a, FileArena) and a.plan is not None and a.plan.signature == plan.signature
+        )
+
     def provision(self, plan: RankPlan, directory: str) -> None:
         """After a save into a :class:`FileArena` (now lent to its checkpoint): when no free one
         of ``plan``'s layout is left, make the next one in the background, its pages faulted in,
@@ -168,7 +183,7 @@ class StagingPool:
                 )
             ):
                 return
-            if sum(1 for a in self._arenas if isinstance(a, FileArena)) > self.lent_limit:
+            if self._ring_size(plan) > self.lent_limit:
                 return  # the ring is whole: retention will free one
             self._provisioning += 1
             if self._provisioner is None:
