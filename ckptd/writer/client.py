@@ -27,7 +27,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -37,6 +36,7 @@ from ..errors import MissingFileError, StorageError, WriterError
 from . import protocol
 from .gate import PendingWrite
 from .inprocess import InProcessWriter
+from .launch import helper_command, helper_environment
 from .owner import check_process, reset_in_fork_child
 from .protocol import (
     AttachArena,
@@ -74,10 +74,6 @@ def describe_exit(returncode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exited with status {returncode}"
-
-
-def _package_parent() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class WriterClient:
@@ -140,11 +136,8 @@ class WriterClient:
 
     def _spawn(self) -> None:
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_parent(), env.get("PYTHONPATH", "")) if p)
-        command = [
-            sys.executable,
-            "-m",
+        env = helper_environment()
+        command = helper_command(
             "ckptd.writer.process",
             "--fd",
             str(child_sock.fileno()),
@@ -152,7 +145,7 @@ class WriterClient:
             str(os.getpid()),
             "--nice",
             str(self.nice),
-        ]
+        )
         if self.ionice is not None:
             command += ["--ionice", str(self.ionice)]
         try:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from ..errors import CheckpointNotFoundError, ConfigError, HeldRootInUseError
 from ..options import DEFAULT_HOLD_AFTER_EXIT
 from ..storage.held import HELD_SCHEME, control_path, held_name, held_names, held_path
+from .launch import helper_command, helper_environment
 
 __all__ = ["HeldRoot", "HoldLease", "drop_held", "held_roots", "main"]
 
@@ -94,8 +95,9 @@ def start_keeper(name: str) -> int:
     waits for the running keeper and exits)."""
     try:
         started = subprocess.run(
-            [sys.executable, "-m", "ckptd.writer.keeper", held_name(name)],
+            helper_command("ckptd.writer.keeper", held_name(name)),
             stdin=subprocess.DEVNULL,
+            env=helper_environment(),
             capture_output=True,
             start_new_session=True,
             timeout=_START_TIMEOUT,
