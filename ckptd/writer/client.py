@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import IO
@@ -199,14 +200,17 @@ class WriterClient:
         logger.debug("ckptd writer %s started (pid %d)", self.label, hello.pid)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Ask the writer to exit, then forget every arena (the caller frees them)."""
+        """Ask the writer to exit, then forget every arena (the caller frees them).  A writer
+        that has not exited ``timeout`` seconds after the call (one deadline for its answer and
+        its exit: a stopped writer answers neither) is killed."""
+        deadline = time.monotonic() + timeout
         with self._lock:
             if self.alive() and os.getpid() == self._owner_pid:
                 try:
                     self._request(Shutdown(self._next_id())).result(timeout=timeout)
                 except Exception:  # noqa: BLE001 - it is going away either way
                     pass
-            self._reap(timeout=timeout)
+            self._reap(timeout=max(0.0, deadline - time.monotonic()))
             with self._arenas_lock:
                 self._arenas.clear()
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -126,3 +128,17 @@ def test_writer_process_refuses_an_unknown_arena(tmp_path):
 def test_state_file_without_a_components_object_is_corrupt():
     with pytest.raises(CorruptCheckpointError, match=r"state\.json: malformed state file"):
         parse_state_file(b'{"components": [1, 2]}', "state.json")
+
+
+def test_close_kills_a_stopped_writer_within_one_timeout():
+    # A SIGSTOPped writer answers neither the Shutdown request nor exits: close() waits for both
+    # under one deadline (they were two, so twice the timeout), then kills it.
+    client = WriterClient()
+    client.ensure_running()
+    pid = client.pid
+    os.kill(pid, signal.SIGSTOP)
+    started = time.monotonic()
+    client.close(timeout=2.0)
+    elapsed = time.monotonic() - started
+    assert pid is not None and not os.path.exists(f"/proc/{pid}")  # killed and reaped
+    assert elapsed < 3.5, f"close(timeout=2) took {elapsed:.1f} s"
