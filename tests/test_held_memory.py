@@ -386,6 +386,13 @@ def test_reads_of_a_checkpoint_whose_pages_are_being_reused_return_it_whole_or_s
     assert seen["replaced"] == 1, seen  # the reader learned step 1 is gone, and never read step 4 as step 1
 
 
+def test_a_held_base_that_does_not_exist_is_named_in_the_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTD_HELD_DIR", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match=r"CKPTD_HELD_DIR=.*missing names a directory that does not exist"):
+        ckptd.Checkpointer("shm://x")
+    assert not (tmp_path / "missing").exists()  # never created: a typo must not hold memory on disk
+
+
 def test_a_private_directory_that_is_not_private_is_refused(tmp_path, monkeypatch):
     base = tmp_path / "base"
     base.mkdir()

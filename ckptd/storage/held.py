@@ -69,8 +69,12 @@ def private_directory(create: bool = True) -> str:
         except FileExistsError:
             pass
         except OSError as e:
-            message = f"cannot create {path} for held-memory roots: {e.strerror} (set {HELD_BASE_VARIABLE})"
-            raise ConfigError(message) from e
+            where = (
+                f"{HELD_BASE_VARIABLE}={os.environ[HELD_BASE_VARIABLE]} names a directory that does not exist"
+                if os.environ.get(HELD_BASE_VARIABLE) and not os.path.isdir(base)
+                else f"{e.strerror} (set {HELD_BASE_VARIABLE} to a memory filesystem this user can write)"
+            )
+            raise ConfigError(f"cannot create {path} for held-memory roots: {where}") from e
     try:
         info = os.lstat(path)
     except FileNotFoundError:
