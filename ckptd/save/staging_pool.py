@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import WriterError
@@ -106,6 +105,7 @@ class StagingPool:
                     return None
                 self._evict(free.pop(0))
             return self._create_files(plan, populate, files_in)
+        # a shared-memory arena: evict other shared-memory arenas before staging files
         free = [a for a in free if not isinstance(a, FileArena)] + [a for a in free if isinstance(a, FileArena)]
         needed = plan.arena_size if self.budget is None else min(plan.arena_size, largest_arena(self.budget))
         fitting = [a for a in free if a.size >= needed and not isinstance(a, FileArena)]
@@ -135,8 +135,8 @@ class StagingPool:
             self._evict(arena)
 
     def _create_files(self, plan: RankPlan, populate: bool, directory: str) -> FileArena:
-        self._next_id += 1
-        arena = FileArena(self._next_id, plan, directory, self._writer_ids(), populate)
+        arena_id = self._writer_id()
+        arena = FileArena(arena_id, plan, directory, iter([self._writer_id() for _ in plan.pieces]), populate)
         try:
             for writer_id, segment in arena.writer_segments:
                 self.writer.attach_arena(writer_id, segment)
@@ -188,15 +188,12 @@ class StagingPool:
             self._provisioning += 1
             if self._provisioner is None:
                 self._provisioner = ThreadPoolExecutor(1, thread_name_prefix="ckptd-provision")
-            self._next_id += 1
-            arena_id = self._next_id
-        self._provisioner.submit(self._provide, arena_id, plan, directory)
+            arena_id, ids = self._writer_id(), [self._writer_id() for _ in plan.pieces]
+        self._provisioner.submit(self._provide, arena_id, ids, plan, directory)
 
-    def _provide(self, arena_id: int, plan: RankPlan, directory: str) -> None:
+    def _provide(self, arena_id: int, ids: list[int], plan: RankPlan, directory: str) -> None:
         arena: FileArena | None = None
         try:
-            with self._cond:
-                ids = [self._writer_id() for _ in plan.pieces]
             arena = FileArena(arena_id, plan, directory, iter(ids), populate=True)
             for writer_id, segment in arena.writer_segments:
                 self.writer.attach_arena(writer_id, segment)
@@ -218,13 +215,9 @@ class StagingPool:
                 self._cond.notify_all()
 
     def _writer_id(self) -> int:
+        """A new id (arenas and the files of FileArenas share the writer's numbering)."""
         self._next_id += 1
         return self._next_id
-
-    def _writer_ids(self) -> Iterator[int]:
-        while True:
-            self._next_id += 1
-            yield self._next_id
 
     def _room_for(self, size: int) -> bool:
         if self.budget is None:
