@@ -45,20 +45,12 @@ class SharedSegment:
         size = max(size, mmap.PAGESIZE)
         fd = _create_fd(label)
         try:
-            try:
-                os.ftruncate(fd, size)
-                if hasattr(os, "posix_fallocate"):
-                    # Reserve the memory now: a full /dev/shm is a clear error here instead of a
-                    # SIGBUS at the first copy, and the first save page-faults much less.
-                    os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                reason = os.strerror(e.errno) if e.errno else str(e)
-                raise StorageError(
-                    e.errno or 0,
-                    f"cannot reserve {size} bytes of shared memory ({label}) for a staging arena: {reason}"
-                    f"{_file_size_limit()}; free memory or /dev/shm, raise the file-size limit (ulimit -f), "
-                    "or lower max_in_flight",
-                ) from e
+            _reserve(
+                fd,
+                size,
+                f"shared memory ({label}) for a staging arena",
+                "free memory or /dev/shm, raise the file-size limit (ulimit -f), or lower max_in_flight",
+            )
             return cls(fd, size)
         except BaseException:
             os.close(fd)
@@ -74,17 +66,7 @@ class SharedSegment:
         fd = os.open(path, flags, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            try:
-                os.ftruncate(fd, size)
-                if hasattr(os, "posix_fallocate"):
-                    os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                reason = os.strerror(e.errno) if e.errno else str(e)
-                raise StorageError(
-                    e.errno or 0,
-                    f"cannot reserve {size} bytes of memory for the staging file {path}: {reason}"
-                    f"{_file_size_limit()}; free memory or /dev/shm, or lower keep_last",
-                ) from e
+            _reserve(fd, size, f"memory for the staging file {path}", "free memory or /dev/shm, or lower keep_last")
             return cls(fd, size, path)
         except BaseException:
             os.close(fd)
@@ -161,6 +143,21 @@ def remove_abandoned_files(directory: str) -> list[str]:
         finally:
             os.close(fd)
     return removed
+
+
+def _reserve(fd: int, size: int, what: str, advice: str) -> None:
+    """Size ``fd`` to ``size`` bytes and reserve its memory now: a full /dev/shm is then a clear
+    error here (naming ``what``, with ``advice``) instead of a SIGBUS at the first copy, and the
+    first save page-faults much less."""
+    try:
+        os.ftruncate(fd, size)
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        reason = os.strerror(e.errno) if e.errno else str(e)
+        raise StorageError(
+            e.errno or 0, f"cannot reserve {size} bytes of {what}: {reason}{_file_size_limit()}; {advice}"
+        ) from e
 
 
 def _create_fd(label: str) -> int:
