@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import threading
 import time
@@ -38,7 +37,7 @@ from ..load.inline_verify import VerifyMode
 from ..options import DEFAULT_HELD_KEEP_LAST, DEFAULT_HOLD_AFTER_EXIT, parse_duration
 from ..request import SaveRequest
 from ..retention import apply_retention
-from ..storage.held import held_name, held_path
+from ..storage.held import bytes_under, held_name, held_path
 from ..tiers import Tier
 from ..writer.keeper import HoldLease
 from .local_state import local_state, restore_into, split_targets
@@ -227,8 +226,8 @@ class PeerSnapshots:
     def held_bytes(self) -> dict[str, int]:
         """Bytes of memory this rank's snapshots (``own``, with the staging files or spare
         whose pages its next save reuses) and the replicas it holds (``replicas``) take now."""
-        replicas = sum(_tree_bytes(root) for root in self._replica_roots.values())
-        return {"own": _tree_bytes(self.checkpointer.root), "replicas": replicas}
+        replicas = sum(bytes_under(root) for root in self._replica_roots.values())
+        return {"own": bytes_under(self.checkpointer.root), "replicas": replicas}
 
     # ---- restoring -----------------------------------------------------------------------
 
@@ -396,20 +395,3 @@ def rank_tiers(tiers: Iterable[Tier], rank: int) -> list[Tier]:
 
 def _lap(timings: dict[str, float], phase: str, started: float) -> None:
     timings[phase] = time.perf_counter() - started
-
-
-def _tree_bytes(root: str) -> int:
-    """Bytes of the files under ``root``, each file once however many names it has (a held
-    root's staging files are also its checkpoints' shard files)."""
-    total = 0
-    seen: set[tuple[int, int]] = set()
-    for directory, _, files in os.walk(root):
-        for name in files:
-            try:
-                info = os.lstat(os.path.join(directory, name))
-            except FileNotFoundError:
-                continue
-            if (info.st_dev, info.st_ino) not in seen:
-                seen.add((info.st_dev, info.st_ino))
-                total += info.st_size
-    return total

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from ..errors import CkptdError, WriterError
-from ..formats.torch_dtypes import dtype_from_name
 from ..writer.client import PendingWrite
 from ..writer.shm import SharedSegment
+from .arena_views import ArenaView, lay_out_piece
 from .plan import ARENA_ALIGNMENT, RankPlan
 from .streamed import RingRoom, StreamPart, copy_streamed, stream_parts
 
@@ -47,7 +47,6 @@ __all__ = [
     "StagingArena",
     "StepGuard",
     "arena_bytes",
-    "contiguous_strides",
     "largest_arena",
     "pin_pages",
     "unpin_pages",
@@ -60,16 +59,6 @@ _PUBLISH_BYTES = 4 * 1024 * 1024  # the staging thread moves the watermark in st
 _STREAM_CHUNK = 16 * 1024 * 1024  # bytes per copy of a streamed save, unless stage() is told
 
 AfterCopy = Callable[[str, str], None]
-
-
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape`` (as torch gives them: a zero dimension
-    counts as one)."""
-    step, strides = 1, []
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 class StagingArena:
@@ -93,7 +82,7 @@ class StagingArena:
             # A save that creates its arena does not pre-fault it: its first copy faults the
             # pages in while the writer already writes the chunks copied before.
             self._base.zero_()
-        self._views: list[tuple[int, str, str, str, torch.Tensor]] = []  # arena offset, file, component, key
+        self._views: list[ArenaView] = []
         self._stream_parts: list[StreamPart] = []  # a streamed plan's parts (then no views)
         self._stream: Any = None
         self.pinned = pin_pages(self._base)
@@ -119,26 +108,11 @@ class StagingArena:
             self.plan = plan
             return
         self._stream_parts = []
-        views: list[tuple[int, str, str, str, torch.Tensor]] = []
+        views: list[ArenaView] = []
         typed: dict[str, tuple[torch.Tensor, int]] = {}  # dtype name -> the arena as that dtype, item size
         strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # shape -> contiguous strides
         for piece in plan.pieces:
-            for part in piece.parts:
-                start = piece.arena_offset + part.offset
-                if part.header:
-                    header = torch.frombuffer(bytearray(part.header), dtype=torch.uint8)
-                    base[start : start + part.nbytes].copy_(header)
-                    continue
-                whole = typed.get(part.dtype)
-                if whole is None:
-                    dtype = dtype_from_name(part.dtype)
-                    whole = typed[part.dtype] = (base.view(dtype), dtype.itemsize)
-                if start % whole[1] == 0:  # always, for plans of ckptd: one view op per tensor
-                    stride = strides.get(part.shape) or strides.setdefault(part.shape, contiguous_strides(part.shape))
-                    view = whole[0].as_strided(part.shape, stride, start // whole[1])
-                else:
-                    view = base[start : start + part.nbytes].view(dtype_from_name(part.dtype)).view(part.shape)
-                views.append((start, piece.file_name, part.component, part.key, view))
+            lay_out_piece(base, piece.arena_offset, piece, views, typed, strides)
         views.sort(key=lambda v: v[0])  # copied in arena order: the watermark only moves forward
         self._views = views
         self.plan = plan

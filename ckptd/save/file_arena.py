@@ -27,7 +27,6 @@ root by the keeper.
 
 from __future__ import annotations
 
-import itertools
 import mmap
 import os
 import secrets
@@ -37,9 +36,9 @@ import torch
 
 from ..errors import ConfigError, WriterError
 from ..formats.names import ARENAS_NAME
-from ..formats.torch_dtypes import dtype_from_name
 from ..writer.shm import SharedSegment
-from .arena import StagingArena, contiguous_strides, pin_pages, unpin_pages
+from .arena import StagingArena, pin_pages, unpin_pages
+from .arena_views import ArenaView, lay_out_piece
 from .plan import RankPlan
 
 __all__ = ["FileArena", "adoptable", "arena_directory"]
@@ -91,7 +90,7 @@ class FileArena(StagingArena):
         self.pinned = False
         prefix = f"{os.getpid()}-{secrets.token_hex(4)}-{arena_id}"
         try:
-            for index, piece in zip(itertools.count(), plan.pieces, strict=False):
+            for index, piece in enumerate(plan.pieces):
                 segment = SharedSegment.create_file(os.path.join(directory, f"{prefix}-{index}"), piece.size)
                 base = torch.frombuffer(segment.mmap, dtype=torch.uint8)
                 self.files[piece.file_name] = (next(writer_ids), segment, base)
@@ -129,22 +128,11 @@ class FileArena(StagingArena):
         if self.plan is None or self.plan.signature != plan.signature:
             raise WriterError(f"staging arena {self.arena_id} holds the files of another layout")
 
-    def _build_views(self, plan: RankPlan) -> list[tuple[int, str, str, str, torch.Tensor]]:
-        views: list[tuple[int, str, str, str, torch.Tensor]] = []
-        for piece in plan.pieces:
-            base = self.files[piece.file_name][2]
-            for part in piece.parts:
-                if part.header:
-                    header = torch.frombuffer(bytearray(part.header), dtype=torch.uint8)
-                    base[part.offset : part.offset + part.nbytes].copy_(header)
-                    continue
-                dtype = dtype_from_name(part.dtype)
-                if part.offset % dtype.itemsize == 0:
-                    strides = contiguous_strides(part.shape)
-                    view = base.view(dtype).as_strided(part.shape, strides, part.offset // dtype.itemsize)
-                else:
-                    view = base[part.offset : part.offset + part.nbytes].view(dtype).view(part.shape)
-                views.append((piece.arena_offset + part.offset, piece.file_name, part.component, part.key, view))
+    def _build_views(self, plan: RankPlan) -> list[ArenaView]:
+        views: list[ArenaView] = []
+        strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+        for piece in plan.pieces:  # each file is its own base, from its first byte
+            lay_out_piece(self.files[piece.file_name][2], 0, piece, views, {}, strides)
         views.sort(key=lambda v: v[0])
         return views
 

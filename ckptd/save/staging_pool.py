@@ -89,14 +89,10 @@ class StagingPool:
 
     def _pick(self, plan: RankPlan, populate: bool, files_in: str | None) -> StagingArena | None:
         self._forget_lent()
+        ready = self._free_of(plan, files=files_in is not None)
+        if ready is not None:
+            return ready
         free = [a for a in self._arenas if not a.busy and not _lent(a)]
-        for arena in free:
-            if (
-                arena.plan is not None
-                and arena.plan.signature == plan.signature
-                and (isinstance(arena, FileArena) == (files_in is not None))
-            ):
-                return arena
         if files_in is not None:
             if self._provisioning:
                 return None  # the next one is being made: wait for it
@@ -116,6 +112,20 @@ class StagingPool:
                 return None  # wait for a busy arena to come back
             self._evict(free.pop(0))
         return self._create(needed, populate)
+
+    def _free_of(self, plan: RankPlan, *, files: bool) -> StagingArena | None:
+        """A free arena already laid out for ``plan``: of staging files (``files``) or shared
+        memory."""
+        for arena in self._arenas:
+            if (
+                not arena.busy
+                and isinstance(arena, FileArena) == files
+                and arena.plan is not None
+                and arena.plan.signature == plan.signature
+                and not _lent(arena)
+            ):
+                return arena
+        return None
 
     def _staging_count(self) -> int:
         """Arenas that count against ``max_in_flight``: all but the lent ones."""
@@ -170,18 +180,7 @@ class StagingPool:
         so that the next save's copy does not allocate memory while training waits (until the
         ring is whole: ``keep_last`` lent arenas and one free)."""
         with self._cond:
-            if (
-                self._closed
-                or self._provisioning
-                or any(
-                    isinstance(a, FileArena)
-                    and not a.busy
-                    and not a.lent
-                    and a.plan is not None
-                    and a.plan.signature == plan.signature
-                    for a in self._arenas
-                )
-            ):
+            if self._closed or self._provisioning or self._free_of(plan, files=True) is not None:
                 return
             if self._ring_size(plan) > self.lent_limit:
                 return  # the ring is whole: retention will free one

@@ -93,6 +93,24 @@ def held_path(url: str) -> str:
     return os.path.join(private_directory(), held_name(url))
 
 
+def bytes_under(root: str, *, allocated: bool = False) -> int:
+    """Bytes of the files under ``root``, each file once however many names it has (a held
+    root's staging files are also its checkpoints' shard files, an incremental save links a
+    file into several checkpoints): their sizes, or with ``allocated`` the memory they take."""
+    total = 0
+    seen: set[tuple[int, int]] = set()
+    for directory, _, files in os.walk(root):
+        for name in files:
+            try:
+                info = os.lstat(os.path.join(directory, name))
+            except OSError:
+                continue
+            if (info.st_dev, info.st_ino) not in seen:
+                seen.add((info.st_dev, info.st_ino))
+                total += info.st_blocks * 512 if allocated else info.st_size
+    return total
+
+
 def in_held_memory(path: str) -> bool:
     """Whether the local ``path`` lies in this user's held-memory directory (a tmpfs by default)."""
     try:

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 
 from ..errors import StorageError
-from ..formats.checksum import CHECKSUM_CHUNK, crc32c, crc32c_of_view, sha256_of_view
+from ..formats.checksum import crc32c_of_view, sha256_of_view
 from ..storage import Stopped, Storage
 from ..storage.local import LocalStorage
-from .gate import StagingGate
+from .gate import StagingGate, gated_crc32c
 from .protocol import HOW_WRITTEN, FileResult, FileSpec, WriteFiles
 from .shm import SharedSegment
 
-__all__ = ["adopt_file", "gated_crc32c"]
+__all__ = ["adopt_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,18 +96,6 @@ def _link_segment(
         path, data, fsync=request.fsync, chunk_size=request.chunk_size, should_stop=should_stop, on_progress=_ignore
     )
     return HOW_WRITTEN
-
-
-def gated_crc32c(
-    data: memoryview, gate: StagingGate, arena_offset: int, what: str, should_stop: Callable[[], bool]
-) -> int:
-    """CRC32C of ``data`` (at ``arena_offset`` of the arena), each chunk once it is staged."""
-    value = 0
-    for start in range(0, len(data), CHECKSUM_CHUNK):
-        stop = min(len(data), start + CHECKSUM_CHUNK)
-        gate.wait(arena_offset + stop, what, should_stop)
-        value = crc32c(data[start:stop], value)
-    return value
 
 
 def _ignore(_: int) -> None:

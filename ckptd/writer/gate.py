@@ -17,9 +17,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..errors import WriterError
+from ..formats.checksum import CHECKSUM_CHUNK, crc32c
 from ..storage import Stopped
 
-__all__ = ["PendingWrite", "StagingGate", "chunk_gate"]
+__all__ = ["PendingWrite", "StagingGate", "chunk_gate", "gated_crc32c"]
 
 _POLL_SECONDS = 0.25  # how often a waiting thread looks at should_stop() (the parent's death)
 
@@ -104,3 +105,15 @@ class PendingWrite:
     def abort(self, error: BaseException) -> None:
         """Staging failed: the writer abandons the request (removing the file it was writing)."""
         self._notify(-1, f"{type(error).__name__}: {error}")
+
+
+def gated_crc32c(
+    data: memoryview, gate: StagingGate, arena_offset: int, what: str, should_stop: Callable[[], bool]
+) -> int:
+    """CRC32C of ``data`` (at ``arena_offset`` of the arena), each chunk once it is staged."""
+    value = 0
+    for start in range(0, len(data), CHECKSUM_CHUNK):
+        stop = min(len(data), start + CHECKSUM_CHUNK)
+        gate.wait(arena_offset + stop, what, should_stop)
+        value = crc32c(data[start:stop], value)
+    return value

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointNotFoundError, ConfigError, HeldRootInUseError
 from ..options import DEFAULT_HOLD_AFTER_EXIT
-from ..storage.held import HELD_SCHEME, control_path, held_name, held_names, held_path
+from ..storage.held import HELD_SCHEME, bytes_under, control_path, held_name, held_names, held_path
 from .launch import helper_command, helper_environment
 
 __all__ = ["HeldRoot", "HoldLease", "drop_held", "held_roots", "main"]
@@ -249,15 +249,7 @@ def _remove_root(name: str) -> None:
 
 def _describe(name: str) -> HeldRoot:
     path = held_path(name)
-    nbytes = 0
-    seen: set[tuple[int, int]] = set()  # a file linked into several checkpoints is memory once
-    for directory, _, files in os.walk(path):
-        for file in files:
-            with contextlib.suppress(OSError):
-                info = os.lstat(os.path.join(directory, file))
-                if (info.st_dev, info.st_ino) not in seen:
-                    seen.add((info.st_dev, info.st_ino))
-                    nbytes += info.st_blocks * 512
+    nbytes = bytes_under(path, allocated=True)
     in_use = False
     with contextlib.suppress(FileNotFoundError):
         fd = os.open(control_path(name, "inuse"), os.O_RDONLY | os.O_CLOEXEC)

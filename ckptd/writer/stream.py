@@ -18,8 +18,8 @@ from ..formats.checksum import CHECKSUM_CHUNK, DIGEST_PREFIX, crc32c, crc32c_of_
 from ..storage import Stopped, Storage, StorageTuning, storage_for
 from ..storage.local import LocalStorage
 from ..storage.retry import retries_of
-from .adopt import adopt_file, gated_crc32c
-from .gate import StagingGate, chunk_gate
+from .adopt import adopt_file
+from .gate import StagingGate, chunk_gate, gated_crc32c
 from .protocol import CopySpec, FileResult, FileSpec, FilesWritten, WriteFiles
 from .ring import RingArena, RingReader
 from .shm import SharedSegment
