@@ -176,6 +176,7 @@ class Checkpointer:
         )
         if self._promoter is not None and (self._dist is None or self._dist.is_coordinator):
             self._saver.on_commit = self._promoter.submit  # copies to the slower tiers after each commit
+            self._promoter.after_release = self._saver.apply_keep_last  # what was kept for a copy goes after it
             record_tiers(self.storage, self.root, tier_list)  # for `ckptd ls ROOT`
         self.last_load: LoadSource | None = None
         """Where the last successful :meth:`load` of a step read from (its tier and path)."""

@@ -16,6 +16,7 @@ tier's previous checkpoints as they were and a staging leftover that ``ckptd gc`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -39,6 +40,7 @@ from .formats.names import TIERS_RECORD_NAME, checkpoint_dir_name
 from .load.pinning import OneVersion
 from .retention import RunRecord, apply_retention
 from .save.commit import publish, staging_directory
+from .save.file_arena import mapped_staging_file
 from .storage import RangeReader, Storage, normalize_location, storage_for
 from .storage.held import is_held
 from .writer.priority import lower_priority
@@ -124,7 +126,9 @@ class Promoter:
     thread of its own.
 
     :meth:`submit` is called by the save's completion after the commit, with the root's
-    :class:`RunRecord`: the source is pinned there until every tier due has its copy (or failed).
+    :class:`RunRecord`: the source is pinned there until every tier due has its copy (or failed),
+    then ``after_release`` runs on the promoter's thread (the root's ``keep_last``, so that a
+    checkpoint kept only for its copy goes now, not at the next commit).
     Failures are logged and kept in :attr:`results`; the next promotion goes on.  :meth:`close`
     waits for the queued promotions, or with ``wait=False`` stops after the file being copied
     (the unfinished copy is discarded).
@@ -137,6 +141,7 @@ class Promoter:
         for opened in self.tiers:
             opened.storage.check_access(opened.root)
         self.results: list[PromotionResult] = []
+        self.after_release: Callable[[], None] | None = None
         self._queue: queue.Queue[tuple[int, str, RunRecord, bool] | None] = queue.Queue()
         self._stop = threading.Event()
         self._idle = threading.Condition()
@@ -193,9 +198,18 @@ class Promoter:
                         self.results.append(self._promote(step, path, opened, overwrite))
             finally:
                 run.release([path])
+                self._after_release()
                 with self._idle:
                     self._queued -= 1
                     self._idle.notify_all()
+
+    def _after_release(self) -> None:
+        if self.after_release is None:
+            return
+        try:
+            self.after_release()
+        except Exception as e:  # noqa: BLE001 - retention runs again after the next commit
+            logger.warning("ckptd: keep_last after a tier copy failed: %s", e)
 
     def _promote(self, step: int, source: str, opened: _OpenTier, overwrite: bool) -> PromotionResult:
         started = time.perf_counter()
@@ -285,8 +299,11 @@ def _promote_version(
             path = source_storage.join(source, name)
             with version.guard():  # a failure because the source was replaced meanwhile says so
                 reader = version.reader(name) if source_storage.local else source_storage.open_reader(path)
-                pieces = _checked_pieces(reader, path, record.size, record.crc32c, reuse=target_storage.local)
-                written = target_storage.write_stream(target_storage.join(staging, name), pieces)
+                with _mapped_source(reader, record.size, target_storage.local) as mapped:
+                    pieces = _checked_pieces(
+                        reader, path, record.size, record.crc32c, reuse=target_storage.local, mapped=mapped
+                    )
+                    written = target_storage.write_stream(target_storage.join(staging, name), pieces)
             if written != record.size:
                 what = f"{source}/{name}"
                 raise CorruptCheckpointError(f"{what}: copied {written} bytes, the manifest lists {record.size}")
@@ -306,27 +323,51 @@ def _promote_version(
     return copied
 
 
+def _mapped_source(
+    reader: RangeReader, size: int, local_target: bool
+) -> contextlib.AbstractContextManager[memoryview | None]:
+    """The trainer's own mapping of a held-memory source file (its staging file), for a copy to a
+    local tier (whose writes are done with each piece before the next); else ``None``."""
+    fd = getattr(reader, "fd", -1)
+    if not local_target or fd < 0:
+        return contextlib.nullcontext(None)
+    return mapped_staging_file(fd, size)
+
+
 def _checked_pieces(
-    reader: RangeReader, path: str, size: int, expected: str, reuse: bool = False
+    reader: RangeReader,
+    path: str,
+    size: int,
+    expected: str,
+    reuse: bool = False,
+    mapped: memoryview | None = None,
 ) -> Iterator[memoryview]:
     """The bytes of ``path`` in pieces, the last one only after the file's CRC32C matched; the
     reader is closed at the end.  Pieces are page-aligned (for ``O_DIRECT`` writes); with
     ``reuse`` (a consumer done with each piece before it asks for the next: local files) one
-    buffer serves every piece, so no new memory is touched per piece."""
+    buffer serves every piece, so no new memory is touched per piece.  ``mapped``: the file's
+    bytes already mapped in this process (:func:`~ckptd.save.file_arena.mapped_staging_file`),
+    handed out in place instead of read (only to a consumer done with each piece before the
+    next)."""
     try:
         if reader.size != size:
             raise CorruptCheckpointError(f"{path}: {reader.size} bytes, the manifest lists {size}")
         checksum, offset = 0, 0
-        buffer = memoryview(mmap.mmap(-1, min(COPY_PIECE, size))) if reuse and size else None
+        buffer = memoryview(mmap.mmap(-1, min(COPY_PIECE, size))) if reuse and size and mapped is None else None
         while offset < size:
             length = min(COPY_PIECE, size - offset)
-            piece = buffer[:length] if buffer is not None else memoryview(mmap.mmap(-1, length))
-            reader.read_into(offset, piece)
+            if mapped is not None:
+                piece = mapped[offset : offset + length]
+            else:
+                piece = buffer[:length] if buffer is not None else memoryview(mmap.mmap(-1, length))
+                reader.read_into(offset, piece)
             checksum = crc32c(piece, checksum)
             offset += len(piece)
             if offset == size and format_crc(checksum) != expected:
                 raise CorruptCheckpointError(f"{path}: CRC32C {format_crc(checksum)}, the manifest lists {expected}")
             yield piece
+            if mapped is not None:
+                piece.release()  # the consumer is done with it (a local write)
         if size == 0 and format_crc(checksum) != expected:
             raise CorruptCheckpointError(f"{path}: CRC32C {format_crc(checksum)}, the manifest lists {expected}")
     finally:

@@ -148,6 +148,39 @@ def test_a_damaged_source_is_never_promoted_and_leaves_nothing(tmp_path, fast_ti
             ckptd.drop_held(fast, force=True)
 
 
+def _bytes_read() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts the bytes read in /proc/self/io")
+def test_a_copy_of_held_memory_to_a_local_tier_writes_the_trainers_staged_pages_and_still_checks_them(tmp_path):
+    # the trainer's staging files are the held checkpoint: a copy to a local tier writes them
+    # from the trainer's mapping (no read into a buffer first), checking every piece's CRC32C
+    fast, slow = f"shm://mapped-{os.getpid()}", str(tmp_path / "slow")
+    generator = torch.Generator().manual_seed(3)
+    state = {"model": {f"w{i}": torch.randn(1024, 1024, generator=generator) for i in range(4)}}  # 16 MiB
+    try:
+        with ckptd.Checkpointer(fast, tiers=[ckptd.Tier(slow)], hold_after_exit=300) as ckpt:
+            read_before = _bytes_read()
+            path = ckpt.save(1, state).path
+            assert ckpt.wait_promotions(60)
+            read = _bytes_read() - read_before
+            (copy,) = ckpt.promotions()
+            assert copy.error is None and copy.bytes_copied > 16 * 2**20
+            assert read < 2**20, f"{read} bytes read: the staged files were read, not written from the mapping"
+            _flip_a_tensor_byte(path)  # the staged file itself, still mapped by this trainer
+            damaged = os.path.join(slow, "damaged")
+            with pytest.raises(CorruptCheckpointError, match="CRC32C"):
+                promote_checkpoint(storage_for(path), path, storage_for(slow), damaged)
+            assert not os.path.exists(damaged)
+        with ckptd.Checkpointer(slow) as tier:
+            assert tier.steps() == [1]
+            assert_same(state, tier.load(1, verify=True))
+    finally:
+        ckptd.drop_held(fast, force=True)
+
+
 def test_tiers_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="every"):
         ckptd.Tier(str(tmp_path / "slow"), every=0)
@@ -198,7 +231,10 @@ def test_a_checkpoint_being_promoted_is_kept_by_the_fast_tiers_retention(s3: S3P
             proxy.release_stalls()  # the upload is retried and the copy goes on from the files kept
         assert ckpt.wait_promotions(120)
         assert [p.error for p in ckpt.promotions()] == [None, None, None]
-        ckpt.save(4, _state(4))  # the next retention may delete step 1 now
+        # kept only for its copy: gone once the copies are done, without waiting for the next
+        # commit (a held root's ring of staging files would be short of one until then)
+        assert sorted(os.listdir(fast)) == [".ckptd-tiers.json", "checkpoint-3"]
+        ckpt.save(4, _state(4))
         assert sorted(os.listdir(fast)) == [".ckptd-tiers.json", "checkpoint-4"]
     with ckptd.Checkpointer(s3.url("tier"), storage_options=s3.options()) as remote:
         assert remote.steps() == [1, 2, 3, 4]

@@ -17,6 +17,10 @@ checkpoints, an arena and a spare.  A reader of a deleted checkpoint whose pages
 told (``CheckpointReplacedError``): a checkpoint of a held root is always renamed away before
 its pages are reused, and the reader's last check sees that.
 
+A copy of such a checkpoint to a local tier, by the same trainer, writes these pages as they
+are mapped (:func:`mapped_staging_file`), instead of reading the files into a buffer first;
+meanwhile the arena counts as lent.
+
 Only plans whose every piece is a whole file get one (no file shared by several ranks, no
 reused file, no budget): :func:`adoptable` decides.  The files are created by
 :meth:`~ckptd.writer.shm.SharedSegment.create_file`, whose creator unlinks its names at close; a
@@ -27,9 +31,11 @@ root by the keeper.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -41,7 +47,11 @@ from .arena import StagingArena, pin_pages, unpin_pages
 from .arena_views import ArenaView, lay_out_piece
 from .plan import RankPlan
 
-__all__ = ["FileArena", "adoptable", "arena_directory"]
+__all__ = ["FileArena", "adoptable", "arena_directory", "mapped_staging_file"]
+
+_registry_lock = threading.Lock()
+_mapped_files: dict[tuple[int, int], tuple[FileArena, SharedSegment]] = {}
+"""This process's staging files by (device, inode): what :func:`mapped_staging_file` finds."""
 
 
 def adoptable(plan: RankPlan) -> bool:
@@ -102,6 +112,10 @@ class FileArena(StagingArena):
         self._pinned = {name for name, (_, _, base) in self.files.items() if pin_pages(base)}
         self.pinned = bool(self.files) and len(self._pinned) == len(self.files)
         self._views = self._build_views(plan)
+        self.borrowed = 0  # files read by mapped_staging_file() now: no save copies into the arena
+        with _registry_lock:
+            for _, segment, _ in self.files.values():
+                _mapped_files[_identity(segment.fd)] = (self, segment)
 
     @property
     def size(self) -> int:
@@ -113,8 +127,9 @@ class FileArena(StagingArena):
 
     @property
     def lent(self) -> bool:
-        """A file of this arena is also a checkpoint's: no save may copy into it now."""
-        return any(segment.links() > 1 for _, segment, _ in self.files.values())
+        """A file of this arena is also a checkpoint's, or is being read through the mapping
+        (:func:`mapped_staging_file`): no save may copy into it now."""
+        return self.borrowed > 0 or any(segment.links() > 1 for _, segment, _ in self.files.values())
 
     @property
     def writer_segments(self) -> list[tuple[int, SharedSegment]]:
@@ -145,6 +160,10 @@ class FileArena(StagingArena):
 
     def _close_files(self) -> None:
         files, self.files = self.files, {}
+        with _registry_lock:
+            for _, segment, _ in files.values():
+                if segment.fd >= 0:
+                    _mapped_files.pop(_identity(segment.fd), None)
         for name in list(files):
             _, segment, base = files.pop(name)
             if name in self._pinned and os.getpid() == self._owner:
@@ -153,3 +172,44 @@ class FileArena(StagingArena):
             segment.close()
         self._pinned = set()
         self.pinned = False
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
+
+
+@contextlib.contextmanager
+def mapped_staging_file(fd: int, size: int) -> Iterator[memoryview | None]:
+    """This process's own mapping of the file open as ``fd`` when it is one of its staging
+    files, of ``size`` bytes, still linked into a checkpoint; else ``None``.
+
+    A copy of a committed held-memory checkpoint to a slower tier reads its bytes from there:
+    the pages are mapped already, so an ``O_DIRECT`` write takes them as they are, where a
+    ``pread`` copies them first and a fresh mapping faults every page in.  While the view is
+    out, the arena counts as lent: no save copies into it, so bytes checked are bytes written.
+    (An arena closed meanwhile keeps its mapping until the view is released.)"""
+    try:
+        key = _identity(fd)
+    except OSError:
+        yield None
+        return
+    with _registry_lock:
+        entry = _mapped_files.get(key)
+        if entry is not None:
+            entry[0].borrowed += 1
+    if entry is None:
+        yield None
+        return
+    arena, segment = entry
+    view: memoryview | None = None
+    try:
+        # checked once borrowed: a save that picked the arena before saw it lent or took it now
+        if segment.mmap is not None and segment.size == size and os.fstat(fd).st_nlink > 1 and not arena.busy:
+            view = memoryview(segment.mmap)
+        yield view
+    finally:
+        if view is not None:
+            view.release()
+        with _registry_lock:
+            arena.borrowed -= 1

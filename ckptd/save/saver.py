@@ -165,6 +165,7 @@ class Saver:
         self.describer = Describer(storage, root, dist)
         # This run's commits and the checkpoints its saves in flight read from (retention's view).
         self.run = RunRecord()
+        self._retention_lock = threading.Lock()
         self.on_commit: Callable[[int | None, str, RunRecord, bool], object] | None = None
         """Called on the coordinator after each commit, before retention (the tiers' promoter)."""
         self.incremental = IncrementalPolicy(storage, root, options.incremental, self.run)
@@ -199,15 +200,20 @@ class Saver:
         pool.lent_limit = max(1, options.keep_last or 2)
 
     def apply_keep_last(self) -> None:
-        """``keep_last`` once more, on the coordinator: the checkpoints it kept while they were
-        being copied to slower tiers go once the copies are done (at close)."""
+        """``keep_last`` once more, on the coordinator: a checkpoint it kept while it was being
+        copied to slower tiers goes once its copies are done (called by the promoter's thread
+        after each promotion, and at close)."""
         if self.options.keep_last is None or (self.dist is not None and not self.dist.is_coordinator):
             return
-        removed = apply_retention(
-            self.storage, self.root, self.options.keep_last, self.run, self.listed, spare=self.recycles
-        )
+        self._retain(self.options.keep_last)
+
+    def _retain(self, keep_last: int) -> None:
+        """Apply ``keep_last`` to the root, one thread at a time (the completion thread after
+        each commit, the promoter's after each copy)."""
+        with self._retention_lock:
+            removed = apply_retention(self.storage, self.root, keep_last, self.run, self.listed, spare=self.recycles)
         if removed:
-            logger.info("ckptd: keep_last=%d removed %s", self.options.keep_last, ", ".join(removed))
+            logger.info("ckptd: keep_last=%d removed %s", keep_last, ", ".join(removed))
 
     def close(self, wait: bool = True) -> None:
         """Stop the staging thread (after the copies in flight) and remove the step guard.
@@ -695,11 +701,7 @@ class Saver:
             self.on_commit(job.request.step, path, self.run, job.overwrite)  # slower tiers (ckptd.tiers)
         if manifest is not None:
             if self.options.keep_last is not None:
-                removed = apply_retention(
-                    self.storage, self.root, self.options.keep_last, self.run, self.listed, spare=self.recycles
-                )
-                if removed:
-                    logger.info("ckptd: keep_last=%d removed %s", self.options.keep_last, ", ".join(removed))
+                self._retain(self.options.keep_last)
             job.request.timings.update(manifest.timings)
             files = manifest.files.values()
             bytes_written = sum(f.size for f in files if f.reused is None)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckptd.errors import WriterError
-from ckptd.save.file_arena import FileArena, adoptable
+from ckptd.save.file_arena import FileArena, adoptable, mapped_staging_file
 from ckptd.save.plan import LocalTensor, plan_save
 from ckptd.save.staging_pool import StagingPool
 from ckptd.writer.client import InProcessWriter
@@ -129,3 +129,61 @@ def test_a_dead_trainers_staging_file_is_swept_and_a_live_ones_is_kept(tmp_path)
     finally:
         live.close()
     assert os.listdir(arenas) == []  # its creator closed it: the name is gone
+
+
+def test_a_staging_file_read_through_its_mapping_is_never_staged_into_even_once_unlinked(tmp_path, pool):
+    # a promotion reads a held checkpoint's bytes through the trainer's mapping and checks them
+    # piece by piece before writing them: no save may copy into them meanwhile, not even after
+    # the checkpoint was deleted under it (else a checked piece could be written changed)
+    files, checkpoints = tmp_path / "arenas", tmp_path / "checkpoints"
+    files.mkdir()
+    checkpoints.mkdir()
+    plan = _rank_plan(1)
+    arena, _ = pool.acquire(plan, files_in=str(files))
+    arena.stage({"model": {"w0": torch.full((1024,), 7.0)}})
+    pool.release(arena)
+    (link,) = _lend(arena, str(checkpoints))
+    fd = os.open(link, os.O_RDONLY)
+    try:
+        with mapped_staging_file(fd, os.fstat(fd).st_size) as view:
+            assert view is not None
+            before = bytes(view)
+            assert torch.full((1024,), 7.0).numpy().tobytes() in before  # the staged tensor, after the header
+            os.unlink(link)  # the checkpoint is deleted while the copy reads it
+            assert arena.lent
+            other, _ = pool.acquire(plan, files_in=str(files))
+            assert other is not arena
+            other.stage({"model": {"w0": torch.full((1024,), 9.0)}})
+            pool.release(other)
+            assert bytes(view) == before
+        assert not arena.lent  # given back: the next save may stage into it
+    finally:
+        os.close(fd)
+
+
+def test_only_a_linked_staging_file_of_this_process_and_of_the_size_asked_is_handed_out(tmp_path, pool):
+    files, checkpoints = tmp_path / "arenas", tmp_path / "checkpoints"
+    files.mkdir()
+    checkpoints.mkdir()
+    arena, _ = pool.acquire(_rank_plan(1), files_in=str(files))
+    pool.release(arena)
+    ((_, segment, _),) = arena.files.values()
+    size = segment.size
+    with mapped_staging_file(segment.fd, size) as view:
+        assert view is None  # not linked into a checkpoint: a save may stage into it any moment
+    (link,) = _lend(arena, str(checkpoints))
+    with mapped_staging_file(segment.fd, size + 4096) as view:
+        assert view is None  # not the file the manifest lists
+    with mapped_staging_file(segment.fd, size) as view:
+        assert view is not None and view.nbytes == size
+    other = tmp_path / "other"
+    other.write_bytes(b"x" * size)
+    for path in (other, link):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if path == link:
+                pool.close()  # the arena is unmapped: its files are no longer handed out
+            with mapped_staging_file(fd, size) as view:
+                assert view is None  # not (or no longer) a staging file of this process
+        finally:
+            os.close(fd)
