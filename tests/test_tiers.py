@@ -181,6 +181,36 @@ def test_a_copy_of_held_memory_to_a_local_tier_writes_the_trainers_staged_pages_
         ckptd.drop_held(fast, force=True)
 
 
+def test_keep_last_run_by_the_copying_thread_while_a_save_commits_never_deletes_that_save(tmp_path):
+    # the promoter's thread applies keep_last after each copy, maybe while the next save is
+    # published but not yet in the run's timeline (where it would rank as an older run's)
+    fast = str(tmp_path / "fast")
+    with ckptd.Checkpointer(fast, keep_last=1) as ckpt:
+        ckpt.save(1, _state(1))
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def promoter_retention() -> None:  # what Promoter.after_release calls after each copy
+            while not stop.is_set():
+                try:
+                    ckpt._saver.apply_keep_last()
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+
+        thread = threading.Thread(target=promoter_retention)
+        thread.start()
+        try:
+            for step in range(2, 10):
+                path = ckpt.save(step, _state(step)).path
+                assert os.path.isdir(path), f"step {step} was deleted by the retention running meanwhile"
+        finally:
+            stop.set()
+            thread.join()
+        assert not errors
+        assert ckpt.steps() == [9]
+        assert_same(_state(9), ckpt.load(9, verify=True))
+
+
 def test_tiers_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="every"):
         ckptd.Tier(str(tmp_path / "slow"), every=0)

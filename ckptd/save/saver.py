@@ -466,6 +466,10 @@ class Saver:
 
         round_ = Round(job.key, job.request.step, time.monotonic())
         coordinator = self.coordinator
+        # Published before _finish records it in the run's timeline: meanwhile a retention on
+        # another thread (the promoter's, after a copy) would rank it as an older run's
+        # checkpoint and could delete it.  In use until then, it is never a candidate.
+        self.run.acquire([job.request.path])
         try:
             try:
                 coordinator.prepare(round_, lambda: self._prepare(job))
@@ -490,6 +494,7 @@ class Saver:
             if job.progress.hold is not None:
                 job.progress.hold.release()  # published or discarded by now
             self._release_reuse(job)
+            self.run.release([job.request.path])
 
     def _prepare(self, job: SaveJob) -> None:
         if job.overwrite:
