@@ -411,14 +411,16 @@ def main() -> None:
             f"  {name:<22} {med['blocking']:7.3f}s {med['committed']:8.3f}s {med['copied']:7.3f}s"
             f"   {ratio:.2f}x{'':14}{lost:.3f}s"
         )
-    one, memory = summary.get("one tier (local)"), summary.get("memory (shm://)")
-    if one is not None and memory is not None:
-        extra = memory["training_lost"] - one["training_lost"]
-        # the target: the memory tier costs training <= 2% more than a one-tier save at
-        # the same interval; at a save every 10 s that is 0.2 s per save
-        verdict = "pass" if extra <= 0.02 * 10 else "FAIL"
-        share = f"{extra / 10:+.1%} of a 10 s interval"
-        print(f"  memory tier against one tier: {extra:+.3f}s of training per save ({share}) {verdict}")
+    one = summary.get("one tier (local)")
+    # the target: the memory tier costs training <= 2% more than a one-tier save at the
+    # same interval; at a save every 10 s that is 0.2 s per save.  Read two ways: the memory
+    # tier alone, and a memory tier added in front of the local one.
+    for name, what in (("memory (shm://)", "memory tier"), ("memory + local tier", "memory + local tier")):
+        if one is not None and name in summary:
+            extra = summary[name]["training_lost"] - one["training_lost"]
+            verdict = "pass" if extra <= 0.02 * 10 else "FAIL"
+            share = f"{extra / 10:+.1%} of a 10 s interval"
+            print(f"  {what} against one tier: {extra:+.3f}s of training per save ({share}) {verdict}")
     held_bytes = figures.get("held_bytes", {})
     for name, nbytes in held_bytes.items():
         print(f"  memory held by {name}: {nbytes / 2**20:.0f} MiB (the root after close; a trainer adds an arena)")
