@@ -211,6 +211,39 @@ def test_keep_last_run_by_the_copying_thread_while_a_save_commits_never_deletes_
         assert_same(_state(9), ckpt.load(9, verify=True))
 
 
+def test_a_managers_retention_on_another_thread_never_deletes_a_save_being_committed(tmp_path):
+    # CheckpointManager.apply_retention() is public and its own retention thread runs beside
+    # the next save's commit: the same window as the promoter's
+    fast = str(tmp_path / "fast")
+    manager = ckptd.CheckpointManager(fast, ckptd.CheckpointPolicy(keep_last=1))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def retention() -> None:
+        while not stop.is_set():
+            try:
+                manager.apply_retention()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+    thread = threading.Thread(target=retention)
+    thread.start()
+    try:
+        for step in range(1, 9):
+            path = manager.save(step, _state(step)).result().path
+            assert os.path.isdir(path), f"step {step} was deleted by the retention running meanwhile"
+    finally:
+        stop.set()
+        thread.join()
+        manager.wait()
+    try:
+        assert not errors
+        assert manager.steps() == [8]
+        assert_same(_state(8), manager.load(8, verify=True))
+    finally:
+        manager.close()
+
+
 def test_tiers_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="every"):
         ckptd.Tier(str(tmp_path / "slow"), every=0)

@@ -157,6 +157,11 @@ def test_a_staging_file_read_through_its_mapping_is_never_staged_into_even_once_
             pool.release(other)
             assert bytes(view) == before
         assert not arena.lent  # given back: the next save may stage into it
+        os.link(arena.files[next(iter(arena.files))][1].path, link)  # the next checkpoint links it
+        with mapped_staging_file(fd, os.fstat(fd).st_size) as view:
+            assert view is not None
+            pool.close()  # the Checkpointer closes its arenas while a copy still reads one
+            assert bytes(view) == before  # still mapped until the copy lets go
     finally:
         os.close(fd)
 
