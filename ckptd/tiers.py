@@ -29,12 +29,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from crc32c import crc32c
-
 from ._version import __version__
 from .catalog import CheckpointInfo, list_checkpoints, read_manifest
 from .errors import CheckpointExistsError, CheckpointReplacedError, ConfigError, CorruptCheckpointError
-from .formats.checksum import format_crc
+from .formats.checksum import crc32c, format_crc
 from .formats.manifest import MANIFEST_NAME, Manifest
 from .formats.names import TIERS_RECORD_NAME, checkpoint_dir_name
 from .load.pinning import OneVersion

@@ -21,11 +21,10 @@ from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
-from crc32c import crc32c
 
 from ..catalog import spare_files
 from ..errors import CorruptCheckpointError, ReplicationError
-from ..formats.checksum import format_crc
+from ..formats.checksum import crc32c, format_crc
 from ..formats.manifest import MANIFEST_NAME, Manifest
 from ..formats.names import checkpoint_dir_name
 from ..save.commit import publish, staging_directory

@@ -42,9 +42,8 @@ import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-import crc32c as _crc32c
-
 from ..errors import CheckpointExistsError, MissingFileError, StorageError
+from ..formats.checksum import crc32c
 from .base import MAX_PARTS, MIN_PART_SIZE, Stopped, StorageTuning, missing_file
 from .remote import FsspecStorage
 from .retry import RetryCounter, error_code, http_status, is_timeout, is_transient, retry_async
@@ -135,7 +134,7 @@ def part_payload(view: memoryview, checksum: bool) -> tuple[bytes, dict[str, str
     body = bytes(view)
     if not checksum:
         return body, {}
-    value = int(_crc32c.crc32c(body)).to_bytes(4, "big")  # the C code releases the GIL
+    value = crc32c(body).to_bytes(4, "big")  # releases the GIL
     return body, {"ChecksumCRC32C": base64.b64encode(value).decode("ascii")}
 
 
