@@ -5,12 +5,14 @@ the loopback S3 server (through the fault proxy where a promotion must be caught
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -181,31 +183,39 @@ def test_a_copy_of_held_memory_to_a_local_tier_writes_the_trainers_staged_pages_
         ckptd.drop_held(fast, force=True)
 
 
+@contextlib.contextmanager
+def _over_and_over(retention: Callable[[], object]) -> Iterator[list[BaseException]]:
+    """Run ``retention`` again and again on a thread of its own while the block runs; yields the
+    errors it raised."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                retention()
+            except BaseException as e:  # noqa: BLE001 - the test asserts there are none
+                errors.append(e)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        yield errors
+    finally:
+        stop.set()
+        thread.join()
+
+
 def test_keep_last_run_by_the_copying_thread_while_a_save_commits_never_deletes_that_save(tmp_path):
     # the promoter's thread applies keep_last after each copy, maybe while the next save is
     # published but not yet in the run's timeline (where it would rank as an older run's)
     fast = str(tmp_path / "fast")
     with ckptd.Checkpointer(fast, keep_last=1) as ckpt:
         ckpt.save(1, _state(1))
-        stop = threading.Event()
-        errors: list[BaseException] = []
-
-        def promoter_retention() -> None:  # what Promoter.after_release calls after each copy
-            while not stop.is_set():
-                try:
-                    ckpt._saver.apply_keep_last()
-                except BaseException as e:  # noqa: BLE001 - reported below
-                    errors.append(e)
-
-        thread = threading.Thread(target=promoter_retention)
-        thread.start()
-        try:
+        with _over_and_over(ckpt._saver.apply_keep_last) as errors:  # what Promoter.after_release calls
             for step in range(2, 10):
                 path = ckpt.save(step, _state(step)).path
                 assert os.path.isdir(path), f"step {step} was deleted by the retention running meanwhile"
-        finally:
-            stop.set()
-            thread.join()
         assert not errors
         assert ckpt.steps() == [9]
         assert_same(_state(9), ckpt.load(9, verify=True))
@@ -216,27 +226,12 @@ def test_a_managers_retention_on_another_thread_never_deletes_a_save_being_commi
     # the next save's commit: the same window as the promoter's
     fast = str(tmp_path / "fast")
     manager = ckptd.CheckpointManager(fast, ckptd.CheckpointPolicy(keep_last=1))
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def retention() -> None:
-        while not stop.is_set():
-            try:
-                manager.apply_retention()
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-    thread = threading.Thread(target=retention)
-    thread.start()
     try:
-        for step in range(1, 9):
-            path = manager.save(step, _state(step)).result().path
-            assert os.path.isdir(path), f"step {step} was deleted by the retention running meanwhile"
-    finally:
-        stop.set()
-        thread.join()
+        with _over_and_over(manager.apply_retention) as errors:
+            for step in range(1, 9):
+                path = manager.save(step, _state(step)).result().path
+                assert os.path.isdir(path), f"step {step} was deleted by the retention running meanwhile"
         manager.wait()
-    try:
         assert not errors
         assert manager.steps() == [8]
         assert_same(_state(8), manager.load(8, verify=True))
