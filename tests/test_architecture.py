@@ -12,7 +12,7 @@ PACKAGE = pathlib.Path(ckptd.__file__).parent
 
 # Lowest first.  A module may import modules of its own layer or below, never above.
 LAYERS: list[tuple[str, ...]] = [
-    ("ckptd.errors", "ckptd._version"),
+    ("ckptd.errors", "ckptd._version", "ckptd._crc32c"),
     ("ckptd.storage",),
     ("ckptd.options", "ckptd.request", "ckptd.stats"),
     ("ckptd.formats", "ckptd.dist", "ckptd.writer"),

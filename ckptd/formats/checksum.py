@@ -1,13 +1,11 @@
 """CRC32C (Castagnoli) checksums, and the SHA-256 digests that ``incremental="hash"`` compares
 files by.
 
-CRC32C comes from ``fastcrc`` (the ``crc-fast`` Rust library: carry-less multiplication folding,
-``VPCLMULQDQ``/``PCLMULQDQ`` on x86, ``PMULL`` on ARM, chosen at run time), else from the
-``crc32c`` package (the ``crc32`` instruction, three streams).  On the benchmark VM (AMD EPYC,
-AVX-512) one core checksums 1 GiB in 1 MiB pieces in 31 ms with the first and 69 ms with the
-second: every save's checksums, every verified load and every tier copy spend half the CPU.
-Both release the GIL (``fastcrc`` from 16 KiB up), so the writer checksums one buffer while
-another thread writes it.  This module imports nothing heavy: the writer process uses it too.
+CRC32C itself comes from :mod:`ckptd._crc32c` (``fastcrc`` where it is installed, else the
+``crc32c`` package; both release the GIL, so the writer checksums one buffer while another
+thread writes it); this module adds chunked checksums of views, the combination of checksums
+without the data, and the manifest's hex form.  It imports nothing heavy: the writer process
+uses it too.
 
 CRC32C detects accidental damage, not deliberate edits: bytes can be changed to keep their
 CRC32C.  Deciding that a file is unchanged (and linking the old one instead of writing the new
@@ -18,18 +16,9 @@ the SHA extensions; BLAKE2b measured 0.75 GB/s on the benchmark VM).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-import crc32c as _crc32c
-
-try:
-    from fastcrc.crc32 import iscsi as _fastcrc_crc32c  # CRC-32/ISCSI is CRC32C
-
-    _CRC32C: Callable[..., int] = _fastcrc_crc32c
-except ImportError:  # pragma: no cover - a platform without a fastcrc wheel
-    _CRC32C = _crc32c.crc32c
-
-Buffer = bytes | bytearray | memoryview
+from .._crc32c import crc32c
 
 __all__ = [
     "CHECKSUM_CHUNK",
@@ -43,11 +32,6 @@ __all__ = [
 ]
 
 CHECKSUM_CHUNK = 64 * 1024 * 1024
-
-
-def crc32c(data: Buffer, value: int = 0) -> int:
-    """Extend the running CRC32C ``value`` with ``data``."""
-    return int(_CRC32C(data, value))
 
 
 def crc32c_of_view(view: memoryview, chunk: int = CHECKSUM_CHUNK) -> int:

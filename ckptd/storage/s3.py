@@ -42,8 +42,8 @@ import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from .._crc32c import crc32c
 from ..errors import CheckpointExistsError, MissingFileError, StorageError
-from ..formats.checksum import crc32c
 from .base import MAX_PARTS, MIN_PART_SIZE, Stopped, StorageTuning, missing_file
 from .remote import FsspecStorage
 from .retry import RetryCounter, error_code, http_status, is_timeout, is_transient, retry_async

@@ -11,13 +11,13 @@ import random
 import crc32c as reference
 import pytest
 
-from ckptd.formats import checksum
+from ckptd import _crc32c
 from ckptd.formats.checksum import crc32c, crc32c_concat, crc32c_of_view
 
 
 def test_the_fast_implementation_is_in_use():
     fastcrc = pytest.importorskip("fastcrc.crc32")
-    assert checksum._CRC32C is fastcrc.iscsi
+    assert _crc32c._IMPLEMENTATION is fastcrc.iscsi
 
 
 def test_the_standard_check_value():
