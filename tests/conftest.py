@@ -164,6 +164,12 @@ def staging_dirs(root: str) -> list[str]:
     return [os.path.join(root, n) for n in os.listdir(root) if n.startswith(".checkpoint-")]
 
 
+def bytes_read() -> int:
+    """Bytes this process's read calls have returned so far (``rchar`` of ``/proc/self/io``)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0, interval: float = 0.01) -> None:
     """Poll until ``condition()`` is true; fail the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

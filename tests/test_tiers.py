@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import S3Place, assert_same, wait_for
+from conftest import S3Place, assert_same, bytes_read, wait_for
 
 import ckptd
 from ckptd.errors import CheckpointNotFoundError, CheckpointReplacedError, ConfigError, CorruptCheckpointError
@@ -150,11 +150,6 @@ def test_a_damaged_source_is_never_promoted_and_leaves_nothing(tmp_path, fast_ti
             ckptd.drop_held(fast, force=True)
 
 
-def _bytes_read() -> int:
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts the bytes read in /proc/self/io")
 def test_a_copy_of_held_memory_to_a_local_tier_writes_the_trainers_staged_pages_and_still_checks_them(tmp_path):
     # the trainer's staging files are the held checkpoint: a copy to a local tier writes them
@@ -164,10 +159,10 @@ def test_a_copy_of_held_memory_to_a_local_tier_writes_the_trainers_staged_pages_
     state = {"model": {f"w{i}": torch.randn(1024, 1024, generator=generator) for i in range(4)}}  # 16 MiB
     try:
         with ckptd.Checkpointer(fast, tiers=[ckptd.Tier(slow)], hold_after_exit=300) as ckpt:
-            read_before = _bytes_read()
+            read_before = bytes_read()
             path = ckpt.save(1, state).path
             assert ckpt.wait_promotions(60)
-            read = _bytes_read() - read_before
+            read = bytes_read() - read_before
             (copy,) = ckpt.promotions()
             assert copy.error is None and copy.bytes_copied > 16 * 2**20
             assert read < 2**20, f"{read} bytes read: the staged files were read, not written from the mapping"

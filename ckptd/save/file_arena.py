@@ -205,7 +205,7 @@ def mapped_staging_file(fd: int, size: int) -> Iterator[memoryview | None]:
     view: memoryview | None = None
     try:
         # checked once borrowed: a save that picked the arena before saw it lent or took it now
-        if segment.mmap is not None and segment.size == size and os.fstat(fd).st_nlink > 1 and not arena.busy:
+        if segment.mmap is not None and segment.size == size and segment.links() > 1 and not arena.busy:
             view = memoryview(segment.mmap)
         yield view
     finally:

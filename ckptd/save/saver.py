@@ -205,11 +205,13 @@ class Saver:
         after each promotion, and at close)."""
         if self.options.keep_last is None or (self.dist is not None and not self.dist.is_coordinator):
             return
-        self._retain(self.options.keep_last)
+        self._retain()
 
-    def _retain(self, keep_last: int) -> None:
-        """Apply ``keep_last`` to the root, one thread at a time (the completion thread after
-        each commit, the promoter's after each copy)."""
+    def _retain(self) -> None:
+        """Apply ``keep_last`` (set) to the root, one thread at a time (the completion thread
+        after each commit, the promoter's after each copy)."""
+        keep_last = self.options.keep_last
+        assert keep_last is not None
         with self._retention_lock:
             removed = apply_retention(self.storage, self.root, keep_last, self.run, self.listed, spare=self.recycles)
         if removed:
@@ -706,7 +708,7 @@ class Saver:
             self.on_commit(job.request.step, path, self.run, job.overwrite)  # slower tiers (ckptd.tiers)
         if manifest is not None:
             if self.options.keep_last is not None:
-                self._retain(self.options.keep_last)
+                self._retain()
             job.request.timings.update(manifest.timings)
             files = manifest.files.values()
             bytes_written = sum(f.size for f in files if f.reused is None)

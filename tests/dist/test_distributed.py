@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_same, writers_strike
+from conftest import assert_same, bytes_read, writers_strike
 from distributed import run_ranks
 
 import ckptd
@@ -51,11 +51,6 @@ def sharded_state(rank: int, world: int, weights: dict[str, torch.Tensor]) -> di
         "bias": weights["bias"].clone(),
         "steps": weights["steps"].clone(),
     }
-
-
-def bytes_read() -> int:
-    with open("/proc/self/io") as f:
-        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
 
 
 # ---- save at N, load at M --------------------------------------------------------------------

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_same
+from conftest import assert_same, bytes_read
 from distributed import run_ranks
 
 import ckptd
@@ -71,11 +71,6 @@ def test_a_mesh_saves_one_shared_layout_and_whole_tensors(tmp_path, world, mesh_
     for key, value in full_tensors(2).items():
         assert_same(value, loaded[key], key)
     assert_same(torch.full((4,), 2.0), loaded["norm"])
-
-
-def bytes_read() -> int:
-    with open("/proc/self/io") as io:
-        return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
 
 
 def load_on_two(rank: int, world: int, root: str) -> dict[str, int]:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import bytes_read
 
 import ckptd
 from ckptd.errors import CorruptCheckpointError
@@ -25,11 +26,6 @@ from ckptd.load import direct
 from ckptd.load.fetch import tensor_memoryview
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/io and O_DIRECT are Linux's")
-
-
-def _rchar() -> int:
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
 def _drop_cache(directory: str) -> None:
@@ -112,9 +108,9 @@ def test_a_full_load_reads_every_tensor_byte_once(saved, monkeypatch, direct_rea
         if cold:
             _drop_cache(path)
         targets = _targets(state)
-        before = _rchar()
+        before = bytes_read()
         ckpt.load(1, into=targets)
-        read = _rchar() - before
+        read = bytes_read() - before
         _assert_same(state, targets)
         if direct_reads == "0":  # exactly the tensors' bytes, plus the manifest and state.json
             assert payload <= read <= payload + _small_files(path), (cold, read, payload)
@@ -132,9 +128,9 @@ def test_verify_true_reads_files_twice_and_still_loads(saved):
     ckpt, state, path = saved
     targets = _targets(state)
     shard_bytes = _shard_bytes(path)
-    before = _rchar()
+    before = bytes_read()
     ckpt.load(1, into=targets, verify=True)
-    read = _rchar() - before
+    read = bytes_read() - before
     _assert_same(state, targets)
     assert shard_bytes + _payload(state) <= read <= shard_bytes + _payload(state) + 2 * _small_files(path)
 
@@ -167,9 +163,9 @@ def test_keys_load_reads_about_the_bytes_asked_for(tmp_path, monkeypatch):
         for direct_reads in ("0", "1"):
             monkeypatch.setenv("CKPTD_DIRECT_READS", direct_reads)
             _drop_cache(path)
-            before = _rchar()
+            before = bytes_read()
             loaded = ckpt.load(1, keys=keys)
-            read = _rchar() - before
+            read = bytes_read() - before
             for key in keys:
                 got, want = loaded["model"][key.split(".")[1]], state["model"][key.split(".")[1]]
                 assert got.dtype == want.dtype and torch.equal(got, want)
@@ -372,9 +368,9 @@ def test_verify_true_into_new_tensors_checks_while_reading_one_pass(saved, monke
         monkeypatch.setattr(inline_verify, "SPAN", 3 * 4096)
     ckpt, state, path = saved
     low, high = _one_pass_bounds(state, path)
-    before = _rchar()
+    before = bytes_read()
     loaded = ckpt.load(1, verify=True)
-    read = _rchar() - before
+    read = bytes_read() - before
     _assert_same(state, loaded)
     assert low <= read <= high, (read, low, high)
     _flip_byte_near_end(path, "optimizer")
@@ -389,9 +385,9 @@ def test_verify_inline_into_live_targets_reads_once_and_raises_on_damage(saved):
     ckpt, state, path = saved
     low, high = _one_pass_bounds(state, path)
     targets = _targets(state)
-    before = _rchar()
+    before = bytes_read()
     ckpt.load(1, into=targets, verify="inline")
-    read = _rchar() - before
+    read = bytes_read() - before
     _assert_same(state, targets)
     assert low <= read <= high, (read, low, high)
     _flip_byte_near_end(path, "model")

@@ -39,6 +39,15 @@ def _lend(arena: FileArena, directory: str) -> list[str]:
 
 
 @pytest.fixture
+def places(tmp_path):
+    """The staging files' directory and a directory of checkpoints that link them."""
+    files, checkpoints = tmp_path / "arenas", tmp_path / "checkpoints"
+    files.mkdir()
+    checkpoints.mkdir()
+    return files, checkpoints
+
+
+@pytest.fixture
 def pool():
     writer = InProcessWriter()
     staging = StagingPool(writer, 1)
@@ -47,10 +56,8 @@ def pool():
     writer.close()
 
 
-def test_an_arena_a_checkpoint_links_is_never_staged_into_and_comes_back_once_unlinked(tmp_path, pool):
-    files, checkpoints = tmp_path / "arenas", tmp_path / "checkpoints"
-    files.mkdir()
-    checkpoints.mkdir()
+def test_an_arena_a_checkpoint_links_is_never_staged_into_and_comes_back_once_unlinked(pool, places):
+    files, checkpoints = places
     plan = _rank_plan(4)
     first, _ = pool.acquire(plan, files_in=str(files))
     assert isinstance(first, FileArena) and not first.lent
@@ -67,10 +74,8 @@ def test_an_arena_a_checkpoint_links_is_never_staged_into_and_comes_back_once_un
     pool.release(again)
 
 
-def test_beyond_the_limit_the_least_recently_used_lent_arena_is_forgotten_and_its_links_keep_the_bytes(tmp_path, pool):
-    files, checkpoints = tmp_path / "arenas", tmp_path / "checkpoints"
-    files.mkdir()
-    checkpoints.mkdir()
+def test_beyond_the_limit_the_least_recently_used_lent_arena_is_forgotten_and_its_links_keep_the_bytes(pool, places):
+    files, checkpoints = places
     pool.lent_limit = 1
     plan = _rank_plan(2)
     older, _ = pool.acquire(plan, files_in=str(files))
@@ -131,13 +136,11 @@ def test_a_dead_trainers_staging_file_is_swept_and_a_live_ones_is_kept(tmp_path)
     assert os.listdir(arenas) == []  # its creator closed it: the name is gone
 
 
-def test_a_staging_file_read_through_its_mapping_is_never_staged_into_even_once_unlinked(tmp_path, pool):
+def test_a_staging_file_read_through_its_mapping_is_never_staged_into_even_once_unlinked(pool, places):
     # a promotion reads a held checkpoint's bytes through the trainer's mapping and checks them
     # piece by piece before writing them: no save may copy into them meanwhile, not even after
     # the checkpoint was deleted under it (else a checked piece could be written changed)
-    files, checkpoints = tmp_path / "arenas", tmp_path / "checkpoints"
-    files.mkdir()
-    checkpoints.mkdir()
+    files, checkpoints = places
     plan = _rank_plan(1)
     arena, _ = pool.acquire(plan, files_in=str(files))
     arena.stage({"model": {"w0": torch.full((1024,), 7.0)}})
@@ -166,10 +169,8 @@ def test_a_staging_file_read_through_its_mapping_is_never_staged_into_even_once_
         os.close(fd)
 
 
-def test_only_a_linked_staging_file_of_this_process_and_of_the_size_asked_is_handed_out(tmp_path, pool):
-    files, checkpoints = tmp_path / "arenas", tmp_path / "checkpoints"
-    files.mkdir()
-    checkpoints.mkdir()
+def test_only_a_linked_staging_file_of_this_process_and_of_the_size_asked_is_handed_out(tmp_path, pool, places):
+    files, checkpoints = places
     arena, _ = pool.acquire(_rank_plan(1), files_in=str(files))
     pool.release(arena)
     ((_, segment, _),) = arena.files.values()
