@@ -5,7 +5,8 @@ ends, any writer process carrying this session's mark whose parent is gone (an o
 stopped (SIGSTOP), and any held-memory keeper of this session still running (they are orphans by
 design, and the tests hold for a second or two at most), is reported as a failure and then
 killed, so nothing outlives the suite.  Held-memory roots (``shm://``) of the session live under a
-base of its own (``CKPTD_HELD_DIR``), removed at the end; anything still in it is a failure too.
+base of its own (``CKPTD_HELD_DIR``), removed at the end; anything still in it (a root's files or
+the control files of ``.hold/``) is a failure too.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _check_held_memory(session: pytest.Session) -> None:
         return  # a base given from outside is not ours to judge or remove
     held = []
     for directory, _, files in os.walk(base):
-        held += [os.path.join(directory, f) for f in files if os.path.basename(directory) != ".hold"]
+        held += [os.path.join(directory, f) for f in files]  # control files (.hold/) included: they go with their root
     shutil.rmtree(base, ignore_errors=True)
     if held:
         shown = ", ".join(sorted(held)[:5])

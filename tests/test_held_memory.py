@@ -9,6 +9,7 @@ the suite if a keeper or held memory is left)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -26,7 +27,8 @@ from conftest import assert_same, process_state, wait_for, writers_fail, writers
 
 import ckptd
 from ckptd.errors import ConfigError, HeldRootInUseError, UnsafeCheckpointError
-from ckptd.storage.held import held_path, private_directory
+from ckptd.storage.held import control_path, held_path, private_directory
+from ckptd.writer.keeper import POLL_SECONDS, HoldLease
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,6 +104,12 @@ def _committed(root: str) -> list[str]:
     return sorted(n for n in os.listdir(root) if n.startswith("checkpoint-"))
 
 
+def _controls(name: str) -> list[str]:
+    """The control files of ``name`` in the private ``.hold`` directory."""
+    directory = os.path.dirname(control_path(name, "inuse"))
+    return sorted(f for f in os.listdir(directory) if f.rpartition(".")[0] == name)
+
+
 def _held_bytes(name: str) -> int:
     return next((root.nbytes for root in ckptd.held_roots() if root.url == f"shm://{name}"), 0)
 
@@ -121,6 +129,7 @@ def test_a_restarted_trainer_restores_from_memory_after_a_killpg_and_the_memory_
     wait_for(lambda: not os.path.exists(held_path(name)), timeout=30)
     wait_for(lambda: not _alive(keeper), timeout=30)
     assert _held_bytes(name) == 0 and all(r.url != f"shm://{name}" for r in ckptd.held_roots())
+    assert _controls(name) == [], "the lease and keeper lock files go with the root"
     with ckptd.Checkpointer(local) as disk:  # the local tier kept what was promoted to it
         assert disk.steps() == [2]
 
@@ -231,8 +240,63 @@ def test_drop_is_refused_while_a_trainer_uses_the_root_and_frees_it_otherwise(tm
     assert dropped.url == f"shm://{name}" and not dropped.in_use
     assert not os.path.exists(held_path(name))
     wait_for(lambda: not _alive(described.keeper_pid), timeout=30)  # the keeper saw it go
+    assert _controls(name) == []
     with pytest.raises(ckptd.errors.CheckpointNotFoundError):
         ckptd.drop_held(name)
+
+
+def test_a_lease_that_waited_on_a_removed_lock_file_holds_the_file_that_replaced_it():
+    # A keeper removes a root holding the ``inuse`` lock and then unlinks the file.  A trainer that
+    # was waiting on that file must end up holding the file now at the path, or the next keeper
+    # (which locks the path) would find the root unused and remove it under the live trainer.
+    name = _name()
+    removing = os.open(control_path(name, "inuse"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(removing, fcntl.LOCK_EX)  # a keeper in the middle of a removal
+    leases: list[Any] = []
+    taking = threading.Thread(target=lambda: leases.append(HoldLease(name, 0.0)))
+    taking.start()
+    try:
+        time.sleep(0.5)
+        assert not leases, "the lease waits while the removal holds the lock"
+        os.unlink(control_path(name, "inuse"))
+        os.close(removing)  # the removal ends
+        taking.join(30)
+        (lease,) = leases
+        time.sleep(3 * POLL_SECONDS)  # the keeper the lease started has looked at least twice
+        described = [r for r in ckptd.held_roots() if r.url == f"shm://{name}"]
+        assert described and described[0].in_use, "the lease holds the lock file at the path, not the removed one"
+        fresh = os.open(control_path(name, "inuse"), os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fresh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fresh)
+    finally:
+        taking.join(30)
+        for lease in leases:
+            lease.close()
+    wait_for(lambda: _controls(name) == [], timeout=30)  # nothing saved: the keeper forgets it all
+
+
+def test_lock_files_without_a_root_or_settings_are_removed_and_a_live_names_are_kept(tmp_path):
+    # Versions before this one left NAME.inuse and NAME.keeper behind for every root released.
+    # A keeper that ends (here: through a drop) removes such orphans, never a live name's files.
+    orphan, live, dropped = _name(), _name(), _name()
+    for kind in ("inuse", "keeper"):
+        with open(control_path(orphan, kind), "w") as f:
+            f.write("12345\n" if kind == "keeper" else "")
+    with ckptd.Checkpointer(f"shm://{live}", hold_after_exit=300) as using:
+        using.save(1, _state(1))
+        with ckptd.Checkpointer(f"shm://{dropped}", hold_after_exit=300) as other:
+            other.save(1, _state(1))
+        ckptd.drop_held(dropped)
+        wait_for(lambda: _controls(dropped) == [], timeout=30)
+        assert _controls(orphan) == []
+        assert _controls(live) == [f"{live}.inuse", f"{live}.keeper", f"{live}.settings"]
+        (described,) = [r for r in ckptd.held_roots() if r.url == f"shm://{live}"]
+        assert described.in_use and described.keeper_pid is not None
+    ckptd.drop_held(live)
+    wait_for(lambda: _controls(live) == [], timeout=30)
 
 
 def _shard_inodes(root: str, step: int) -> set[int]:

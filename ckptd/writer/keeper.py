@@ -20,6 +20,14 @@ torchrun's ``killpg``); what must not survive forever is the memory they take.  
    It also exits when the root was removed by someone else (:func:`drop_held`, ``ckptd memory
    drop``).
 
+**Control files go with the root.**  A lock file is unlinked only by a process that holds it
+exclusively (the keeper or :func:`drop_held` the ``inuse`` file, the keeper its ``keeper`` file, as
+they finish), and every process that locks one checks afterwards that the file it locked is still
+the one at its path, else opens the path again (:func:`_lock_control`): a process that waited on
+an unlinked file never holds a lock nobody else can see.  A keeper that exits and a drop also
+remove the lock files of names that have neither a root nor settings, the ones left by versions
+that never removed them.
+
 A new trainer on the same host and name takes a lease, and its ``load("latest")`` reads the held
 checkpoint like any other, with CRC32C verification and the fallback to slower tiers (see
 :mod:`ckptd.tiers`).  Only this user can open the directory (``0700``), so only this user's
@@ -41,9 +49,18 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import CheckpointNotFoundError, ConfigError, HeldRootInUseError
+from ..errors import CheckpointNotFoundError, ConfigError, HeldRootInUseError, UnsafeCheckpointError
 from ..options import DEFAULT_HOLD_AFTER_EXIT
-from ..storage.held import HELD_SCHEME, bytes_under, control_path, held_name, held_names, held_path
+from ..storage.held import (
+    CONTROL_DIRECTORY,
+    HELD_SCHEME,
+    bytes_under,
+    control_path,
+    held_name,
+    held_names,
+    held_path,
+    private_directory,
+)
 from .launch import helper_command, helper_environment
 
 __all__ = ["HeldRoot", "HoldLease", "drop_held", "held_roots", "main"]
@@ -75,10 +92,10 @@ class HoldLease:
 
     def __init__(self, name: str, hold_after_exit: float) -> None:
         self.name = held_name(name)
-        fd = os.open(control_path(self.name, "inuse"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = _lock_control(self.name, "inuse", fcntl.LOCK_SH)  # waits while a keeper removes the root
+        assert fd is not None
         self._release = weakref.finalize(self, os.close, fd)  # a lease dropped unclosed is let go too
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a keeper removes the root (and its settings)
             _write_settings(self.name, hold_after_exit)
             self.keeper_pid = start_keeper(self.name)
         except BaseException:
@@ -124,15 +141,17 @@ def drop_held(url: str, force: bool = False) -> HeldRoot:
     if name not in held_names():
         raise CheckpointNotFoundError(f"{HELD_SCHEME}{name}: no such held-memory root")
     described = _describe(name)
-    fd = os.open(control_path(name, "inuse"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = _lock_unless_leased(name)
+    if fd is None and not force:
+        raise HeldRootInUseError(
+            f"{HELD_SCHEME}{name} is in use by a running trainer; stop it first, or drop it anyway with force"
+        )
     try:
-        if not _lock_unless_leased(fd) and not force:
-            raise HeldRootInUseError(
-                f"{HELD_SCHEME}{name} is in use by a running trainer; stop it first, or drop it anyway with force"
-            )
-        _forget(name)
+        _forget(name, locked=fd is not None)  # a lease still holds the lock file when forced: it stays
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
+    _remove_orphan_controls()
     return described
 
 
@@ -165,29 +184,35 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def keep(name: str) -> None:
-    """The keeper's loop (see the module docstring); returns once the root is removed."""
-    keeper = os.open(control_path(name, "keeper"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    fcntl.flock(keeper, fcntl.LOCK_EX)  # one keeper per name: the next one waits here
-    os.ftruncate(keeper, 0)
-    os.pwrite(keeper, f"{os.getpid()}\n".encode(), 0)
-    inuse = os.open(control_path(name, "inuse"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    unused_since: float | None = None
-    while True:
-        if _try_lock(inuse, fcntl.LOCK_EX):
-            try:
-                if not os.path.isdir(held_path(name)):  # dropped, or nothing was ever saved there
-                    _forget(name)
-                    return
-                now = time.monotonic()
-                unused_since = now if unused_since is None else unused_since
-                if now - unused_since >= _hold_seconds(name):
-                    _forget(name)
-                    return
-            finally:
-                fcntl.flock(inuse, fcntl.LOCK_UN)
-        else:
-            unused_since = None
-        time.sleep(POLL_SECONDS)
+    """The keeper's loop (see the module docstring); returns once the root and its control files
+    are removed."""
+    keeper = _lock_control(name, "keeper", fcntl.LOCK_EX)  # one keeper per name: the next one waits here
+    assert keeper is not None
+    try:
+        os.ftruncate(keeper, 0)
+        os.pwrite(keeper, f"{os.getpid()}\n".encode(), 0)
+        unused_since: float | None = None
+        while True:
+            inuse = _lock_control(name, "inuse", fcntl.LOCK_EX, wait=False)  # the file at the path now
+            if inuse is not None:
+                try:
+                    if not os.path.isdir(held_path(name)):  # dropped, or nothing was ever saved there
+                        _forget(name, locked=True)
+                        return
+                    now = time.monotonic()
+                    unused_since = now if unused_since is None else unused_since
+                    if now - unused_since >= _hold_seconds(name):
+                        _forget(name, locked=True)
+                        return
+                finally:
+                    os.close(inuse)
+            else:
+                unused_since = None
+            time.sleep(POLL_SECONDS)
+    finally:
+        _unlink_control(name, "keeper")  # while this keeper holds it: a keeper waiting on it opens anew
+        os.close(keeper)
+        _remove_orphan_controls()
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -201,16 +226,49 @@ def _try_lock(fd: int, mode: int) -> bool:
     return True
 
 
-def _lock_unless_leased(fd: int) -> bool:
-    """Take the ``inuse`` lock exclusively unless a lease holds it: a few tries 20 ms apart, since
-    a keeper (or another ``ls``) holds it exclusively for an instant when it looks, while a lease
-    holds it for as long as its process lives."""
+def _lock_control(name: str, kind: str, mode: int, *, wait: bool = True, create: bool = True) -> int | None:
+    """A descriptor of ``name``'s control file ``kind`` locked with ``mode`` (``flock``), the file
+    that is at its path once locked; ``None`` if the lock is taken and not ``wait``.  A file is
+    unlinked only by a holder of its exclusive lock, so one locked after it was unlinked is closed
+    and the path opened again.  Without ``create``, a missing file raises ``FileNotFoundError``."""
+    path = control_path(name, kind)
+    flags = os.O_CLOEXEC | (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY)
+    while True:
+        fd = os.open(path, flags, 0o600)
+        try:
+            if wait:
+                fcntl.flock(fd, mode)
+            elif not _try_lock(fd, mode):
+                os.close(fd)
+                return None
+            opened = os.fstat(fd)
+            with contextlib.suppress(FileNotFoundError):
+                current = os.stat(path)
+                if (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino):
+                    return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def _unlink_control(name: str, kind: str) -> None:
+    """Remove ``name``'s control file ``kind``; the caller holds it exclusively (or it is not a lock)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(control_path(name, kind))
+
+
+def _lock_unless_leased(name: str, create: bool = True) -> int | None:
+    """``name``'s ``inuse`` file locked exclusively, or ``None`` while a lease holds it: a few tries
+    20 ms apart, since a keeper (or another ``ls``) holds it exclusively for an instant when it
+    looks, while a lease holds it for as long as its process lives."""
     for attempt in range(5):
-        if _try_lock(fd, fcntl.LOCK_EX):
-            return True
+        fd = _lock_control(name, "inuse", fcntl.LOCK_EX, wait=False, create=create)
+        if fd is not None:
+            return fd
         if attempt < 4:
             time.sleep(0.02)
-    return False
+    return None
 
 
 def _write_settings(name: str, hold_after_exit: float) -> None:
@@ -229,11 +287,41 @@ def _hold_seconds(name: str) -> float:
         return DEFAULT_HOLD_AFTER_EXIT
 
 
-def _forget(name: str) -> None:
-    """Remove the root (if any) and its hold settings; the caller holds the ``inuse`` lock."""
+def _forget(name: str, *, locked: bool) -> None:
+    """Remove the root (if any), its hold settings and, when the caller holds it (``locked``), the
+    ``inuse`` file."""
     _remove_root(name)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(control_path(name, "settings"))
+    _unlink_control(name, "settings")
+    if locked:
+        _unlink_control(name, "inuse")
+
+
+def _remove_orphan_controls() -> None:
+    """Remove the lock files of names with neither a root nor settings (left by versions that never
+    removed them, or by a process killed between the two unlinks), each while holding it."""
+    try:
+        entries = os.listdir(os.path.join(private_directory(create=False), CONTROL_DIRECTORY))
+    except (FileNotFoundError, UnsafeCheckpointError):
+        return
+    for entry in entries:
+        name, _, kind = entry.rpartition(".")
+        if kind not in ("inuse", "keeper") or not _orphan(name):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            fd = _lock_control(name, kind, fcntl.LOCK_EX, wait=False, create=False)
+            if fd is not None:
+                try:
+                    if _orphan(name):  # a lease that came meanwhile has written its settings
+                        _unlink_control(name, kind)
+                finally:
+                    os.close(fd)
+
+
+def _orphan(name: str) -> bool:
+    try:
+        return not os.path.exists(control_path(name, "settings")) and not os.path.isdir(held_path(name))
+    except ConfigError:  # not a name of ours
+        return False
 
 
 def _remove_root(name: str) -> None:
@@ -252,10 +340,10 @@ def _describe(name: str) -> HeldRoot:
     nbytes = bytes_under(path, allocated=True)
     in_use = False
     with contextlib.suppress(FileNotFoundError):
-        fd = os.open(control_path(name, "inuse"), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            in_use = not _lock_unless_leased(fd)
-        finally:
+        fd = _lock_unless_leased(name, create=False)
+        if fd is None:
+            in_use = True
+        else:
             os.close(fd)
     keeper_pid = None
     with contextlib.suppress(FileNotFoundError, ValueError):
