@@ -190,7 +190,7 @@ class Checkpointer:
         self._completer = threading.Thread(target=_complete_jobs, args=(self._jobs,), name="ckptd-commit", daemon=True)
         self._completer.start()
         threading.Thread(target=_start_writer, args=(self._writer,), name="ckptd-writer-start", daemon=True).start()
-        self._abandoned = False  # a second Ctrl-C while close() waited: failures are expected
+        self._abandoned: str | None = None  # why close() abandoned the saves in flight: failures are expected
         # _close_at_exit() at exit; forget_after_fork() in a fork child
         self._atexit = bind_to_process(self, Checkpointer._close_at_exit)
         self._finalizer = weakref.finalize(
@@ -432,11 +432,11 @@ class Checkpointer:
         try:
             result = self._saver.complete(job)
         except BaseException as e:  # noqa: BLE001 - stored in the request, raised by wait()
-            if self._abandoned:
+            if self._abandoned is not None:
                 logger.info("ckptd: save of step %s to %s abandoned: %s", job.request.step, job.request.path, e)
                 error = WriterError(
-                    f"the save of step {job.request.step} to {job.request.path} was abandoned by Ctrl-C "
-                    "while close() waited for it; nothing was committed"
+                    f"the save of step {job.request.step} to {job.request.path} was abandoned {self._abandoned}; "
+                    "nothing was committed"
                 )
                 error.__cause__ = e
                 job.request._set_exception(error)
@@ -695,7 +695,13 @@ class Checkpointer:
         return self._writer.pid
 
     def close(self, wait: bool = True) -> None:
-        """Finish pending saves (unless ``wait=False``), stop the writer and free the arenas.
+        """Finish pending saves, stop the writer and free the arenas; ``wait=False`` abandons the
+        saves in flight instead of finishing them.
+
+        With ``wait=False`` the writer stops the write in flight at once (it removes that save's
+        staging directory, and on object stores aborts its multipart uploads), the pending saves
+        fail with :class:`~ckptd.errors.WriterError` and nothing more is committed; a stuck
+        writer is killed after a few seconds.  What was committed before stays as it was.
 
         Runs by itself at interpreter exit, so a program that ends with saves in flight waits
         for them.  Ctrl-C during that wait (on the main thread, while SIGINT has Python's own
@@ -727,6 +733,10 @@ class Checkpointer:
             try:
                 if at_exit and ctrl_c.armed and CtrlC.abandoned_at_exit:
                     abandon = True  # the user abandoned another Checkpointer's saves at this exit
+                elif not wait:
+                    if pending:  # not waiting: the saves in flight are abandoned, not left to run on
+                        self._abandoned = "when the Checkpointer was closed with wait=False"
+                        self._writer.abandon()
                 elif wait:
                     self._release_throttle()
                     if pending:
@@ -746,13 +756,13 @@ class Checkpointer:
                 ctrl_c.stop_waiting()
                 if abandon:
                     what = self._waiting_for()
-                    self._abandoned = True
+                    self._abandoned = "by Ctrl-C while close() waited for it"
                     self._writer.abandon()  # from here the saves in flight cannot finish writing
                     ctrl_c.abandoning(what)
                 parts = self._finalizer.detach()
                 if parts is not None:
                     _, release, args, _ = parts
-                    release(*args, wait=wait, abandon=abandon)
+                    release(*args, wait=wait, abandon=self._abandoned is not None)
         if abandon:
             if at_exit:
                 CtrlC.abandoned_at_exit = True
@@ -844,8 +854,8 @@ def _release(
     if abandon:
         writer.close(timeout=_ABANDON_WRITER_SECONDS)  # no save waits on it any longer
     jobs.put(None)
-    if wait and completer is not threading.current_thread():
-        completer.join(_ABANDON_SECONDS if abandon else None)
+    if (wait or abandon) and completer is not threading.current_thread():
+        completer.join(_ABANDON_SECONDS if abandon else None)  # abandoned saves fail and clean up first
     saver.close(wait=wait and not abandon)
     if steps is not None:
         steps.close()

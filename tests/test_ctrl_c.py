@@ -328,3 +328,35 @@ def test_a_with_block_ended_by_ctrl_c_explains_at_once_and_the_next_ctrl_c_aband
     wait_for(lambda: not pid_alive(pid), timeout=WAIT)
     with ckptd.Checkpointer(root) as again:
         assert again.steps() == [1]
+
+
+def test_close_without_wait_abandons_the_save_in_flight_and_keeps_the_last_checkpoint(frozen_save, root):
+    # ``close(wait=False)`` does not finish the save in flight: the writer is told to drop it, so
+    # once it goes on it removes the save's staging directory and exits instead of committing.
+    ckpt, request, pid = frozen_save
+    closer = threading.Thread(target=ckpt.close, kwargs={"wait": False}, daemon=True)
+    closer.start()
+    try:
+        wait_for(lambda: not closer.is_alive() or ckpt._abandoned is not None, timeout=WAIT)
+    finally:
+        os.kill(pid, signal.SIGCONT)  # healthy again, in the middle of the save's write
+    closer.join(WAIT)
+    assert not closer.is_alive()
+    with pytest.raises(ckptd.errors.WriterError, match="closed with wait=False; nothing was committed"):
+        request.result(0)
+    wait_for(lambda: not pid_alive(pid), timeout=WAIT)
+    assert staging_dirs(root) == []
+    with ckptd.Checkpointer(root) as again:
+        assert again.steps() == [1]
+        assert_same({"model": {"w": torch.ones(8)}}, again.load(1))
+
+
+def test_close_without_wait_kills_a_writer_that_stays_stuck_and_cleans_up_its_save(frozen_save, root):
+    ckpt, request, pid = frozen_save
+    ckpt.close(wait=False)  # the writer never goes on: it is killed, and its save's files removed
+    assert not pid_alive(pid)
+    with pytest.raises(ckptd.errors.WriterError, match="closed with wait=False"):
+        request.result(0)
+    assert staging_dirs(root) == []
+    with ckptd.Checkpointer(root) as again:
+        assert again.steps() == [1]
