@@ -278,20 +278,39 @@ def test_a_lease_that_waited_on_a_removed_lock_file_holds_the_file_that_replaced
     wait_for(lambda: _controls(name) == [], timeout=30)  # nothing saved: the keeper forgets it all
 
 
-def test_lock_files_without_a_root_or_settings_are_removed_and_a_live_names_are_kept(tmp_path):
-    # Versions before this one left NAME.inuse and NAME.keeper behind for every root released.
-    # A keeper that ends (here: through a drop) removes such orphans, never a live name's files.
+def test_what_cut_short_removals_left_is_removed_and_a_live_names_files_are_kept(tmp_path):
+    # Versions before this one left NAME.inuse and NAME.keeper behind for every root released; a
+    # keeper or drop killed in the middle of deleting a root leaves it renamed out of sight, its
+    # memory held by nothing; a lease killed while writing its settings leaves their staging file.
+    # A keeper that ends (here: through a drop) removes all of it, never what a live process uses.
     orphan, live, dropped = _name(), _name(), _name()
     for kind in ("inuse", "keeper"):
         with open(control_path(orphan, kind), "w") as f:
             f.write("12345\n" if kind == "keeper" else "")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # exited: its pid names nothing now (reused at most by an unrelated process)
+    base = private_directory()
+    doomed, deleting = (
+        os.path.join(base, f".dropping-{orphan}-{dead_pid}-1"),
+        os.path.join(base, f".dropping-{live}-{os.getpid()}-1"),
+    )
+    for directory in (doomed, deleting):
+        os.makedirs(os.path.join(directory, "checkpoint-1"))
+        with open(os.path.join(directory, "checkpoint-1", "model.safetensors"), "wb") as f:
+            f.write(b"\0" * 4096)
+    staged_settings = control_path(orphan, "settings") + f".{dead_pid}"
+    with open(staged_settings, "w") as f:
+        f.write("{")
     with ckptd.Checkpointer(f"shm://{live}", hold_after_exit=300) as using:
         using.save(1, _state(1))
         with ckptd.Checkpointer(f"shm://{dropped}", hold_after_exit=300) as other:
             other.save(1, _state(1))
         ckptd.drop_held(dropped)
         wait_for(lambda: _controls(dropped) == [], timeout=30)
-        assert _controls(orphan) == []
+        assert _controls(orphan) == [] and not os.path.exists(staged_settings)
+        assert not os.path.exists(doomed), "a root whose deletion died with its process is deleted"
+        assert os.path.isdir(deleting), "a live process's deletion is its own"
+        shutil.rmtree(deleting)
         assert _controls(live) == [f"{live}.inuse", f"{live}.keeper", f"{live}.settings"]
         (described,) = [r for r in ckptd.held_roots() if r.url == f"shm://{live}"]
         assert described.in_use and described.keeper_pid is not None

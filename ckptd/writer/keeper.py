@@ -25,8 +25,9 @@ exclusively (the keeper or :func:`drop_held` the ``inuse`` file, the keeper its 
 they finish), and every process that locks one checks afterwards that the file it locked is still
 the one at its path, else opens the path again (:func:`_lock_control`): a process that waited on
 an unlinked file never holds a lock nobody else can see.  A keeper that exits and a drop also
-remove the lock files of names that have neither a root nor settings, the ones left by versions
-that never removed them.
+remove what earlier removals left: the lock files of names that have neither a root nor settings
+(versions before this one never removed them), and roots renamed out of sight for deletion by a
+process that died before the deletion ended.
 
 A new trainer on the same host and name takes a lease, and its ``load("latest")`` reads the held
 checkpoint like any other, with CRC32C verification and the fallback to slower tiers (see
@@ -40,6 +41,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -151,7 +153,7 @@ def drop_held(url: str, force: bool = False) -> HeldRoot:
     finally:
         if fd is not None:
             os.close(fd)
-    _remove_orphan_controls()
+    _remove_leftovers()
     return described
 
 
@@ -212,7 +214,7 @@ def keep(name: str) -> None:
     finally:
         _unlink_control(name, "keeper")  # while this keeper holds it: a keeper waiting on it opens anew
         os.close(keeper)
-        _remove_orphan_controls()
+        _remove_leftovers()
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -296,15 +298,28 @@ def _forget(name: str, *, locked: bool) -> None:
         _unlink_control(name, "inuse")
 
 
-def _remove_orphan_controls() -> None:
-    """Remove the lock files of names with neither a root nor settings (left by versions that never
-    removed them, or by a process killed between the two unlinks), each while holding it."""
+def _remove_leftovers() -> None:
+    """Remove what removals cut short left behind: lock files of names with neither a root nor
+    settings (versions before this one never removed them; a process killed between the unlinks),
+    each while holding it; settings a lease that died was writing; and roots renamed out of sight
+    for deletion by a process that died before the deletion ended (tmpfs memory nothing would
+    ever free otherwise)."""
     try:
-        entries = os.listdir(os.path.join(private_directory(create=False), CONTROL_DIRECTORY))
+        directory = private_directory(create=False)
+        entries = os.listdir(directory)
+        controls = os.listdir(os.path.join(directory, CONTROL_DIRECTORY))
     except (FileNotFoundError, UnsafeCheckpointError):
         return
     for entry in entries:
+        doomed = _DOOMED.match(entry)
+        if doomed is not None and not _process_alive(int(doomed["pid"])):
+            shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
+    for entry in controls:
         name, _, kind = entry.rpartition(".")
+        if kind.isdigit() and name.endswith(".settings") and not _process_alive(int(kind)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, CONTROL_DIRECTORY, entry))  # _write_settings's staging file
+            continue
         if kind not in ("inuse", "keeper") or not _orphan(name):
             continue
         with contextlib.suppress(FileNotFoundError):
@@ -315,6 +330,20 @@ def _remove_orphan_controls() -> None:
                         _unlink_control(name, kind)
                 finally:
                     os.close(fd)
+
+
+_DOOMED = re.compile(r"^\.dropping-.+-(?P<pid>[0-9]+)-[0-9]+$")
+"""A root renamed out of sight by :func:`_remove_root` of process ``pid``."""
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _orphan(name: str) -> bool:
