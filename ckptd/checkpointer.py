@@ -733,10 +733,9 @@ class Checkpointer:
             try:
                 if at_exit and ctrl_c.armed and CtrlC.abandoned_at_exit:
                     abandon = True  # the user abandoned another Checkpointer's saves at this exit
-                elif not wait:
-                    if pending:  # not waiting: the saves in flight are abandoned, not left to run on
-                        self._abandoned = "when the Checkpointer was closed with wait=False"
-                        self._writer.abandon()
+                elif not wait and pending:  # not waiting: the saves in flight are abandoned, not left to run on
+                    self._abandoned = "when the Checkpointer was closed with wait=False"
+                    self._writer.abandon()
                 elif wait:
                     self._release_throttle()
                     if pending:

@@ -287,30 +287,25 @@ def test_what_cut_short_removals_left_is_removed_and_a_live_names_files_are_kept
     for kind in ("inuse", "keeper"):
         with open(control_path(orphan, kind), "w") as f:
             f.write("12345\n" if kind == "keeper" else "")
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)  # exited: its pid names nothing now (reused at most by an unrelated process)
-    base = private_directory()
-    doomed, deleting = (
-        os.path.join(base, f".dropping-{orphan}-{dead_pid}-1"),
-        os.path.join(base, f".dropping-{live}-{os.getpid()}-1"),
-    )
-    for directory in (doomed, deleting):
-        os.makedirs(os.path.join(directory, "checkpoint-1"))
-        with open(os.path.join(directory, "checkpoint-1", "model.safetensors"), "wb") as f:
-            f.write(b"\0" * 4096)
-    staged_settings = control_path(orphan, "settings") + f".{dead_pid}"
-    with open(staged_settings, "w") as f:
-        f.write("{")
+    doomed = os.path.join(private_directory(), f".dropping-{orphan}-123-1")  # renamed, its deletion killed
+    os.makedirs(os.path.join(doomed, "checkpoint-1"))
+    with open(os.path.join(doomed, "checkpoint-1", "model.safetensors"), "wb") as f:
+        f.write(b"\0" * 4096)
+    stale, fresh = control_path(orphan, "settings") + ".123", control_path(live, "settings") + ".456"
+    for staged in (stale, fresh):
+        with open(staged, "w") as f:
+            f.write("{")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))  # a lease died writing it an hour ago
     with ckptd.Checkpointer(f"shm://{live}", hold_after_exit=300) as using:
         using.save(1, _state(1))
         with ckptd.Checkpointer(f"shm://{dropped}", hold_after_exit=300) as other:
             other.save(1, _state(1))
         ckptd.drop_held(dropped)
         wait_for(lambda: _controls(dropped) == [], timeout=30)
-        assert _controls(orphan) == [] and not os.path.exists(staged_settings)
-        assert not os.path.exists(doomed), "a root whose deletion died with its process is deleted"
-        assert os.path.isdir(deleting), "a live process's deletion is its own"
-        shutil.rmtree(deleting)
+        assert _controls(orphan) == [] and not os.path.exists(stale)
+        assert os.path.exists(fresh), "settings being written now are a live lease's"
+        os.unlink(fresh)
+        assert not os.path.exists(doomed), "a root whose deletion was cut short is deleted"
         assert _controls(live) == [f"{live}.inuse", f"{live}.keeper", f"{live}.settings"]
         (described,) = [r for r in ckptd.held_roots() if r.url == f"shm://{live}"]
         assert described.in_use and described.keeper_pid is not None

@@ -26,8 +26,8 @@ they finish), and every process that locks one checks afterwards that the file i
 the one at its path, else opens the path again (:func:`_lock_control`): a process that waited on
 an unlinked file never holds a lock nobody else can see.  A keeper that exits and a drop also
 remove what earlier removals left: the lock files of names that have neither a root nor settings
-(versions before this one never removed them), and roots renamed out of sight for deletion by a
-process that died before the deletion ended.
+(versions before this one never removed them), settings files a lease died writing, and roots
+renamed out of sight for deletion that a process killed meanwhile did not finish deleting.
 
 A new trainer on the same host and name takes a lease, and its ``load("latest")`` reads the held
 checkpoint like any other, with CRC32C verification and the fallback to slower tiers (see
@@ -41,7 +41,6 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -301,9 +300,9 @@ def _forget(name: str, *, locked: bool) -> None:
 def _remove_leftovers() -> None:
     """Remove what removals cut short left behind: lock files of names with neither a root nor
     settings (versions before this one never removed them; a process killed between the unlinks),
-    each while holding it; settings a lease that died was writing; and roots renamed out of sight
-    for deletion by a process that died before the deletion ended (tmpfs memory nothing would
-    ever free otherwise)."""
+    each while holding it; settings files a lease died writing; and roots renamed out of sight
+    for deletion (tmpfs memory nothing would ever free otherwise: a doomed root is anyone's to
+    delete, so one whose remover still runs is deleted by both)."""
     try:
         directory = private_directory(create=False)
         entries = os.listdir(directory)
@@ -311,14 +310,15 @@ def _remove_leftovers() -> None:
     except (FileNotFoundError, UnsafeCheckpointError):
         return
     for entry in entries:
-        doomed = _DOOMED.match(entry)
-        if doomed is not None and not _process_alive(int(doomed["pid"])):
+        if entry.startswith(_DOOMED_PREFIX):
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
     for entry in controls:
         name, _, kind = entry.rpartition(".")
-        if kind.isdigit() and name.endswith(".settings") and not _process_alive(int(kind)):
+        if name.endswith(".settings"):  # _write_settings's staging file: lives for microseconds
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, CONTROL_DIRECTORY, entry))  # _write_settings's staging file
+                staged = os.path.join(directory, CONTROL_DIRECTORY, entry)
+                if time.time() - os.stat(staged).st_mtime > _STALE_SETTINGS_SECONDS:
+                    os.unlink(staged)
             continue
         if kind not in ("inuse", "keeper") or not _orphan(name):
             continue
@@ -332,18 +332,10 @@ def _remove_leftovers() -> None:
                     os.close(fd)
 
 
-_DOOMED = re.compile(r"^\.dropping-.+-(?P<pid>[0-9]+)-[0-9]+$")
-"""A root renamed out of sight by :func:`_remove_root` of process ``pid``."""
+_DOOMED_PREFIX = ".dropping-"
+"""How :func:`_remove_root` names a root renamed out of sight for deletion."""
 
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+_STALE_SETTINGS_SECONDS = 60.0
 
 
 def _orphan(name: str) -> bool:
@@ -356,7 +348,7 @@ def _orphan(name: str) -> bool:
 def _remove_root(name: str) -> None:
     """Rename the root out of sight, then delete it (a reader never sees half a root)."""
     path = held_path(name)
-    doomed = os.path.join(os.path.dirname(path), f".dropping-{name}-{os.getpid()}-{time.monotonic_ns()}")
+    doomed = os.path.join(os.path.dirname(path), f"{_DOOMED_PREFIX}{name}-{os.getpid()}-{time.monotonic_ns()}")
     try:
         os.rename(path, doomed)
     except FileNotFoundError:
