@@ -28,6 +28,7 @@ from conftest import assert_same, process_state, wait_for, writers_fail, writers
 import ckptd
 from ckptd.errors import ConfigError, HeldRootInUseError, UnsafeCheckpointError
 from ckptd.storage.held import control_path, held_path, private_directory
+from ckptd.writer import keeper as keeper_module
 from ckptd.writer.keeper import POLL_SECONDS, HoldLease
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -291,7 +292,10 @@ def test_what_cut_short_removals_left_is_removed_and_a_live_names_files_are_kept
     os.makedirs(os.path.join(doomed, "checkpoint-1"))
     with open(os.path.join(doomed, "checkpoint-1", "model.safetensors"), "wb") as f:
         f.write(b"\0" * 4096)
-    stale, fresh = control_path(orphan, "settings") + ".123", control_path(live, "settings") + ".456"
+    stale, fresh = (
+        control_path(orphan, "settings") + ".staging-123-1",
+        control_path(live, "settings") + ".staging-456-1",
+    )
     for staged in (stale, fresh):
         with open(staged, "w") as f:
             f.write("{")
@@ -601,3 +605,101 @@ def test_a_held_checkpoint_is_checked_as_it_is_read_into_new_and_live_tensors(tm
                 ckpt.load(1, into={"model": live}, verify="inline")
     finally:
         ckptd.drop_held(name, force=True)
+
+
+def test_a_root_named_like_a_settings_file_keeps_its_lock_files_through_a_sweep():
+    # "run.settings" is a legal name: its lock files (run.settings.inuse, ...) must never be taken
+    # for settings being written, even once they are old, or its live trainer loses its lease.
+    name, other = f"{_name()}.settings", _name()
+    with ckptd.Checkpointer(f"shm://{name}", hold_after_exit=300) as using:
+        using.save(1, _state(1))
+        hour_ago = time.time() - 3600
+        for kind in ("inuse", "keeper", "settings"):
+            os.utime(control_path(name, kind), (hour_ago, hour_ago))
+        with ckptd.Checkpointer(f"shm://{other}", hold_after_exit=300) as passing:
+            passing.save(1, _state(1))
+        ckptd.drop_held(other)  # sweeps what removals left
+        assert _controls(name) == [f"{name}.inuse", f"{name}.keeper", f"{name}.settings"]
+        with pytest.raises(HeldRootInUseError):
+            ckptd.drop_held(name)
+        assert using.steps() == [1]
+    ckptd.drop_held(name)
+    wait_for(lambda: _controls(name) == [] and _controls(other) == [], timeout=30)
+
+
+def test_threads_writing_one_names_hold_settings_at_once_never_fail():
+    name, failures = _name(), []
+
+    def write(hold: float) -> None:
+        for _ in range(200):
+            try:
+                keeper_module._write_settings(name, hold)
+            except OSError as e:
+                failures.append(e)
+
+    threads = [threading.Thread(target=write, args=(float(i),)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert failures == []
+    with open(control_path(name, "settings")) as f:
+        assert json.load(f)["hold_after_exit"] in {0.0, 1.0, 2.0, 3.0}
+    assert _controls(name) == [f"{name}.settings"], "no settings being written are left"
+    os.unlink(control_path(name, "settings"))
+
+
+def test_ls_and_drop_wait_for_a_removal_and_do_not_take_it_for_a_trainer():
+    # A keeper (or a drop) removing a root holds its inuse file exclusively for as long as the
+    # deletion takes; leases hold it shared.  Meanwhile ls must not say "in use", nor drop refuse.
+    name = _name()
+    os.makedirs(os.path.join(held_path(name), "checkpoint-1"))
+    removing = os.open(control_path(name, "inuse"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(removing, fcntl.LOCK_EX)
+    answers: dict[str, Any] = {}
+
+    def ask(what: str, call: Any) -> None:
+        try:
+            answers[what] = call()
+        except Exception as e:  # noqa: BLE001 - the assertion below shows it
+            answers[what] = e
+
+    asking = [
+        threading.Thread(target=ask, args=("ls", ckptd.held_roots)),
+        threading.Thread(target=ask, args=("drop", lambda: ckptd.drop_held(name))),
+    ]
+    for thread in asking:
+        thread.start()
+    time.sleep(0.5)
+    assert answers == {}, "ls and drop wait for the removal instead of reporting a trainer"
+    shutil.rmtree(held_path(name))  # the removal ends: root, then the lock file, then the lock
+    os.unlink(control_path(name, "inuse"))
+    os.close(removing)
+    for thread in asking:
+        thread.join(30)
+    assert all(not r.in_use for r in answers["ls"] if r.url == f"shm://{name}")
+    assert isinstance(answers["drop"], ckptd.HeldRoot) and not answers["drop"].in_use
+    assert _controls(name) == [] and not os.path.exists(held_path(name))
+
+
+def test_held_roots_reads_a_keeper_that_has_not_written_its_pid_yet_as_none():
+    name = _name()
+    os.makedirs(os.path.join(held_path(name), "checkpoint-1"))
+    starting = os.open(control_path(name, "keeper"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(starting, fcntl.LOCK_EX)  # a keeper between its lock and its pid
+    try:
+        (described,) = [r for r in ckptd.held_roots() if r.url == f"shm://{name}"]
+        assert described.keeper_pid is None and not described.in_use
+    finally:
+        os.close(starting)
+    ckptd.drop_held(name)
+    assert _controls(name) == [] and not os.path.exists(held_path(name))
+
+
+def test_dropping_a_name_with_only_lock_files_left_removes_them():
+    name = _name()  # a removal killed after it removed the root and the settings
+    for kind in ("inuse", "keeper"):
+        open(control_path(name, kind), "w").close()
+    with pytest.raises(ckptd.errors.CheckpointNotFoundError):
+        ckptd.drop_held(name)
+    assert _controls(name) == []

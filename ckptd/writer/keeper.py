@@ -45,6 +45,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -140,6 +141,7 @@ def drop_held(url: str, force: bool = False) -> HeldRoot:
     :class:`~ckptd.errors.CheckpointNotFoundError` when there is no such root."""
     name = held_name(url)
     if name not in held_names():
+        _remove_leftovers()  # e.g. the lock files of a removal killed after it removed the settings
         raise CheckpointNotFoundError(f"{HELD_SCHEME}{name}: no such held-memory root")
     described = _describe(name)
     fd = _lock_unless_leased(name)
@@ -260,21 +262,46 @@ def _unlink_control(name: str, kind: str) -> None:
 
 
 def _lock_unless_leased(name: str, create: bool = True) -> int | None:
-    """``name``'s ``inuse`` file locked exclusively, or ``None`` while a lease holds it: a few tries
-    20 ms apart, since a keeper (or another ``ls``) holds it exclusively for an instant when it
-    looks, while a lease holds it for as long as its process lives."""
-    for attempt in range(5):
+    """``name``'s ``inuse`` file locked exclusively, or ``None`` while a lease holds it.  Leases hold
+    it shared; a keeper or drop removing the root (or another ``ls`` looking) holds it
+    exclusively, for as long as that takes: then this waits (up to :data:`_REMOVAL_WAIT_SECONDS`)
+    instead of taking the removal for a lease.  A shared holder seen on a few tries 20 ms apart is
+    a lease."""
+    deadline = time.monotonic() + _REMOVAL_WAIT_SECONDS
+    shared = 0
+    while True:
         fd = _lock_control(name, "inuse", fcntl.LOCK_EX, wait=False, create=create)
         if fd is not None:
             return fd
-        if attempt < 4:
-            time.sleep(0.02)
-    return None
+        if _held_shared(name):
+            shared += 1
+            if shared >= 5:
+                return None
+        elif time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
+
+
+def _held_shared(name: str) -> bool:
+    """Whether ``name``'s ``inuse`` file can be locked shared now (nobody holds it exclusively),
+    which after a failed exclusive try means a lease holds it."""
+    try:
+        fd = os.open(control_path(name, "inuse"), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        return _try_lock(fd, fcntl.LOCK_SH)
+    finally:
+        os.close(fd)
+
+
+_REMOVAL_WAIT_SECONDS = 30.0
+"""How long a drop or ``ls`` waits for a removal in progress to end."""
 
 
 def _write_settings(name: str, hold_after_exit: float) -> None:
     path = control_path(name, "settings")
-    staging = f"{path}.{os.getpid()}"
+    staging = f"{path}.{_SETTINGS_STAGING}{os.getpid()}-{threading.get_ident()}"  # one per writing thread
     with open(staging, "w") as f:
         json.dump({"hold_after_exit": float(hold_after_exit)}, f)
     os.replace(staging, path)
@@ -314,7 +341,7 @@ def _remove_leftovers() -> None:
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
     for entry in controls:
         name, _, kind = entry.rpartition(".")
-        if name.endswith(".settings"):  # _write_settings's staging file: lives for microseconds
+        if kind.startswith(_SETTINGS_STAGING):  # _write_settings's staging file: lives for microseconds
             with contextlib.suppress(FileNotFoundError):
                 staged = os.path.join(directory, CONTROL_DIRECTORY, entry)
                 if time.time() - os.stat(staged).st_mtime > _STALE_SETTINGS_SECONDS:
@@ -334,6 +361,10 @@ def _remove_leftovers() -> None:
 
 _DOOMED_PREFIX = ".dropping-"
 """How :func:`_remove_root` names a root renamed out of sight for deletion."""
+
+_SETTINGS_STAGING = "staging-"
+"""What follows ``NAME.settings.`` in the name of settings being written (never a control file's
+kind: those are ``inuse``, ``keeper`` and ``settings``)."""
 
 _STALE_SETTINGS_SECONDS = 60.0
 
@@ -367,7 +398,7 @@ def _describe(name: str) -> HeldRoot:
         else:
             os.close(fd)
     keeper_pid = None
-    with contextlib.suppress(FileNotFoundError, ValueError):
+    with contextlib.suppress(FileNotFoundError, ValueError, IndexError):  # IndexError: pid not written yet
         fd = os.open(control_path(name, "keeper"), os.O_RDONLY | os.O_CLOEXEC)
         try:
             if not _try_lock(fd, fcntl.LOCK_EX):
