@@ -184,7 +184,10 @@ class Checkpointer:
         self._pending: list[SaveRequest] = []
         self._pending_lock = threading.Lock()
         self._save_lock = threading.Lock()
+        self._starting: int | None = None  # the thread inside _saver.start (holding _save_lock)
         self._closed = False
+        self._closer: int | None = None  # the thread running the first close()
+        self._close_done = threading.Event()  # set when the first close() has ended
         # The threads hold no reference to the Checkpointer (a queued save holds one until it is
         # done), so one that is dropped without close() is collected and _release stops its writer.
         self._completer = threading.Thread(target=_complete_jobs, args=(self._jobs,), name="ckptd-commit", daemon=True)
@@ -349,26 +352,33 @@ class Checkpointer:
         mode = check_staging(staging or self.options.staging)
         final = self.path_for(step) if path is None else self._chosen_path(path)
         with self._save_lock:
-            job = self._saver.start(
-                step,
-                state,
-                final,
-                sharing=sharing,
-                allow_pickle=pickle_ok,
-                overwrite=overwrite,
-                metadata=metadata,
-                metrics=metrics,
-                started=started,
-                staging_mode=mode,
-                frozen=frozen,
-            )
-        with self._pending_lock:
-            self._pending.append(job.request)
-        if self._steps is not None:
-            job.request._release_on_wait(self._release_throttle)  # a wait on this thread: nobody trains
-        # pipelined: the writer starts on the first chunks while the copy goes on.  The queued
-        # entry keeps the Checkpointer alive until the completion thread is done with the save.
-        self._jobs.put((self, job))
+            # close() sets _closed, then waits for a save being started (which may wait for a
+            # slot) until it is queued: one that starts after that is refused here.
+            self._starting = threading.get_ident()
+            try:
+                self._check_open()
+                job = self._saver.start(
+                    step,
+                    state,
+                    final,
+                    sharing=sharing,
+                    allow_pickle=pickle_ok,
+                    overwrite=overwrite,
+                    metadata=metadata,
+                    metrics=metrics,
+                    started=started,
+                    staging_mode=mode,
+                    frozen=frozen,
+                )
+                with self._pending_lock:
+                    self._pending.append(job.request)
+                if self._steps is not None:
+                    job.request._release_on_wait(self._release_throttle)  # a wait on this thread: nobody trains
+                # pipelined: the writer starts on the first chunks while the copy goes on.  The queued
+                # entry keeps the Checkpointer alive until the completion thread is done with the save.
+                self._jobs.put((self, job))
+            finally:
+                self._starting = None
         if mode != "background":
             self._saver.finish_staging(job)
         return job.request
@@ -722,10 +732,29 @@ class Checkpointer:
         """``close()``; ``told``: a KeyboardInterrupt already ended the program (or the ``with``
         block), so the first Ctrl-C is behind us and nothing is raised after an abandon."""
         if self._closed:
+            if os.getpid() == self._owner_pid and self._closer != threading.get_ident():
+                self._close_done.wait()  # a second close() returns once the first one is done
             return
         self._closed = True
         if os.getpid() != self._owner_pid:
             return  # a fork() child: the parent's saves, writer and arenas are the parent's to finish
+        self._closer = threading.get_ident()
+        try:
+            self._close_now(wait, told=told, at_exit=at_exit)
+        finally:
+            self._close_done.set()
+
+    def _abandon_in_flight(self, why: str) -> None:
+        """From here the saves in flight cannot finish writing: they fail, saying ``why``."""
+        self._abandoned = why
+        self._writer.abandon()
+
+    def _close_now(self, wait: bool, *, told: bool, at_exit: bool) -> None:
+        if not wait and self.pending():  # first, so that a save waiting for a slot gets one
+            self._abandon_in_flight("when the Checkpointer was closed with wait=False")
+        if self._starting is not None and self._starting != threading.get_ident():
+            with self._save_lock:  # a save being started is queued (or refused) before the snapshot below
+                pass
         pending = self.pending()
         abandon = False
         active = wait and bool(pending)
@@ -733,10 +762,10 @@ class Checkpointer:
             try:
                 if at_exit and ctrl_c.armed and CtrlC.abandoned_at_exit:
                     abandon = True  # the user abandoned another Checkpointer's saves at this exit
-                elif not wait and pending:  # not waiting: the saves in flight are abandoned, not left to run on
-                    self._abandoned = "when the Checkpointer was closed with wait=False"
-                    self._writer.abandon()
-                elif wait:
+                elif not wait:  # not waiting: the saves in flight are abandoned, not left to run on
+                    if pending and self._abandoned is None:
+                        self._abandon_in_flight("when the Checkpointer was closed with wait=False")
+                else:
                     self._release_throttle()
                     if pending:
                         where = "the exit" if at_exit else "close()"
@@ -755,8 +784,7 @@ class Checkpointer:
                 ctrl_c.stop_waiting()
                 if abandon:
                     what = self._waiting_for()
-                    self._abandoned = "by Ctrl-C while close() waited for it"
-                    self._writer.abandon()  # from here the saves in flight cannot finish writing
+                    self._abandon_in_flight("by Ctrl-C while close() waited for it")
                     ctrl_c.abandoning(what)
                 parts = self._finalizer.detach()
                 if parts is not None:
@@ -850,8 +878,8 @@ def _release(
             warnings.warn(f"{name} was not closed; its writer is stopped now", ResourceWarning, stacklevel=2)
         return
     saver, steps, writer, pool, promoter, lease = parts
-    if abandon:
-        writer.close(timeout=_ABANDON_WRITER_SECONDS)  # no save waits on it any longer
+    if abandon or not wait:  # no save waits on it any longer: a stuck writer is killed soon
+        writer.close(timeout=_ABANDON_WRITER_SECONDS)
     jobs.put(None)
     if (wait or abandon) and completer is not threading.current_thread():
         completer.join(_ABANDON_SECONDS if abandon else None)  # abandoned saves fail and clean up first

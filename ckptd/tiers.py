@@ -299,7 +299,7 @@ def _promote_version(
                 reader = version.reader(name) if source_storage.local else source_storage.open_reader(path)
                 with _mapped_source(reader, record.size, target_storage.local) as mapped:
                     pieces = _checked_pieces(
-                        reader, path, record.size, record.crc32c, reuse=target_storage.local, mapped=mapped
+                        reader, path, record.size, record.crc32c, reuse=target_storage.local, mapped=mapped, stop=stop
                     )
                     written = target_storage.write_stream(target_storage.join(staging, name), pieces)
             if written != record.size:
@@ -339,6 +339,7 @@ def _checked_pieces(
     expected: str,
     reuse: bool = False,
     mapped: memoryview | None = None,
+    stop: Callable[[], bool] = lambda: False,
 ) -> Iterator[memoryview]:
     """The bytes of ``path`` in pieces, the last one only after the file's CRC32C matched; the
     reader is closed at the end.  Pieces are page-aligned (for ``O_DIRECT`` writes); with
@@ -346,13 +347,16 @@ def _checked_pieces(
     buffer serves every piece, so no new memory is touched per piece.  ``mapped``: the file's
     bytes already mapped in this process (:func:`~ckptd.save.file_arena.mapped_staging_file`),
     handed out in place instead of read (only to a consumer done with each piece before the
-    next)."""
+    next).  ``stop`` is asked before each piece: true raises :class:`PromotionStopped` (the
+    consumer then removes what it wrote, as for any failure of the pieces)."""
     try:
         if reader.size != size:
             raise CorruptCheckpointError(f"{path}: {reader.size} bytes, the manifest lists {size}")
         checksum, offset = 0, 0
         buffer = memoryview(mmap.mmap(-1, min(COPY_PIECE, size))) if reuse and size and mapped is None else None
         while offset < size:
+            if stop():
+                raise PromotionStopped(f"the copy of {path} stopped by close(wait=False)")
             length = min(COPY_PIECE, size - offset)
             if mapped is not None:
                 piece = mapped[offset : offset + length]

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -358,5 +359,92 @@ def test_close_without_wait_kills_a_writer_that_stays_stuck_and_cleans_up_its_sa
     with pytest.raises(ckptd.errors.WriterError, match="closed with wait=False"):
         request.result(0)
     assert staging_dirs(root) == []
+    with ckptd.Checkpointer(root) as again:
+        assert again.steps() == [1]
+
+
+FIRST_WRITE_OF_STEP_1 = r"/\.checkpoint-1\.tmp-[^/]+/model-[^/]*\.safetensors$"
+
+
+def test_a_save_waiting_for_a_slot_when_close_without_wait_comes_ends_and_commits_nothing(root, monkeypatch):
+    # With one arena, async_save(2) waits for save 1's; close(wait=False) from another thread
+    # abandons save 1, so save 2 gets the slot: it must then be refused or fail, never be queued
+    # behind the completion thread's end (its request would never finish).
+    with writers_strike("write", FIRST_WRITE_OF_STEP_1, whom="stop"):
+        ckpt = ckptd.Checkpointer(root, max_in_flight=1, chunk_size="256KiB")
+        ckpt.health_check()
+    first = ckpt.async_save(1, {"model": {"w": torch.randn(SIZE // 4)}})
+    pid = ckpt.writer_pid
+    wait_for(lambda: process_stopped(pid), timeout=WAIT)
+    outcome: dict[str, Any] = {}
+    start = ckpt._saver.start
+
+    def start_then_linger(*args: Any, **kwargs: Any) -> Any:
+        job = start(*args, **kwargs)
+        time.sleep(1.0)  # a thread switch at the worst moment: close() runs on before this save is queued
+        return job
+
+    monkeypatch.setattr(ckpt._saver, "start", start_then_linger)
+
+    def second() -> None:
+        try:
+            outcome["request"] = ckpt.async_save(2, {"model": {"w": torch.randn(SIZE // 4)}})
+        except Exception as e:  # noqa: BLE001 - the assertions below look at it
+            outcome["error"] = e
+
+    starting = threading.Thread(target=second, daemon=True)
+    starting.start()
+    try:
+        time.sleep(0.5)
+        assert starting.is_alive(), "the second save waits for the only arena"
+        closer = threading.Thread(target=ckpt.close, kwargs={"wait": False}, daemon=True)
+        closer.start()
+        wait_for(lambda: ckpt._abandoned is not None, timeout=WAIT)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    closer.join(WAIT)
+    starting.join(WAIT)
+    assert not closer.is_alive() and not starting.is_alive()
+    with pytest.raises(ckptd.errors.WriterError, match="wait=False"):
+        first.result(0)
+    if "request" in outcome:  # queued before the close took its list: failed like the first
+        with pytest.raises(ckptd.errors.WriterError):
+            outcome["request"].result(30)
+    else:
+        assert isinstance(outcome["error"], ckptd.errors.CkptdError), outcome
+    assert staging_dirs(root) == []
+    with ckptd.Checkpointer(root) as again:
+        assert again.steps() == []
+
+
+def test_a_second_close_returns_once_the_first_has_cleaned_up(frozen_save, root):
+    ckpt, request, pid = frozen_save
+    closer = threading.Thread(target=ckpt.close, kwargs={"wait": False}, daemon=True)
+    closer.start()
+    wait_for(lambda: ckpt._closed, timeout=WAIT)
+    ckpt.close()  # the frozen writer is killed by the first close; this one waits for it
+    assert request.done() and not pid_alive(pid)
+    assert staging_dirs(root) == []
+    closer.join(WAIT)
+
+
+def test_close_without_wait_gives_an_idle_stuck_writer_seconds_not_the_full_timeout(root, monkeypatch):
+    import ckptd.checkpointer as checkpointer_module
+
+    monkeypatch.setattr(checkpointer_module, "_ABANDON_WRITER_SECONDS", 0.5)
+    ckpt = ckptd.Checkpointer(root)
+    ckpt.save(1, {"model": {"w": torch.ones(8)}})
+    pid = ckpt.writer_pid
+    os.kill(pid, signal.SIGSTOP)  # stuck, nothing pending: close(wait=False) has nothing to wait for
+    closer = threading.Thread(target=ckpt.close, kwargs={"wait": False}, daemon=True)
+    closer.start()
+    closer.join(15)  # the writer's full timeout is 30 s
+    try:
+        assert not closer.is_alive(), "close(wait=False) waited for a stuck writer's answer"
+        assert not pid_alive(pid)
+    finally:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        closer.join(WAIT)
     with ckptd.Checkpointer(root) as again:
         assert again.steps() == [1]

@@ -22,7 +22,7 @@ from conftest import S3Place, assert_same, bytes_read, wait_for
 import ckptd
 from ckptd.errors import CheckpointNotFoundError, CheckpointReplacedError, ConfigError, CorruptCheckpointError
 from ckptd.storage import storage_for
-from ckptd.tiers import promote_checkpoint
+from ckptd.tiers import COPY_PIECE, PromotionStopped, promote_checkpoint
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -438,3 +438,24 @@ def test_the_copies_run_at_the_writers_lower_priority(tmp_path):
         assert ckpt.wait_promotions(60)
     with ckptd.Checkpointer(slow) as tier:
         assert_same(_state(1), tier.load(1, verify=True))
+
+
+def test_a_copy_stopped_mid_file_raises_between_pieces_and_publishes_nothing(tmp_path):
+    # close(wait=False) asks the copy to stop: it must stop within the file being copied (a
+    # multi-GiB shard to a slow tier would otherwise be copied whole first), not only between files
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    state = {"model": {"w": torch.randn(3 * COPY_PIECE // 4)}}  # one shard of three pieces
+    with ckptd.Checkpointer(fast) as ckpt:
+        path = ckpt.save(1, state).path
+    os.makedirs(slow)
+    shard = max(os.listdir(path), key=lambda name: os.path.getsize(os.path.join(path, name)))
+    seen: list[int] = []  # the bytes written under the tier each time the copy asked
+
+    def stop() -> bool:  # stop as soon as the shard's copy has begun
+        seen.append(sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(slow) for f in files))
+        return seen[-1] > 0
+
+    with pytest.raises(PromotionStopped):
+        promote_checkpoint(storage_for(path), path, storage_for(slow), os.path.join(slow, "checkpoint-1"), stop=stop)
+    assert 0 < max(seen) < os.path.getsize(os.path.join(path, shard)), f"stopped after {max(seen)} bytes"
+    assert os.listdir(slow) == []

@@ -124,7 +124,9 @@ class WriterClient:
         """Start the writer (or restart it after a crash) and attach every known arena."""
         self._check_owner()
         if self._abandoned:
-            raise WriterError("the ckptd writer was stopped: the saves in flight were abandoned (Ctrl-C)")
+            raise WriterError(
+                "the ckptd writer was stopped: the saves in flight were abandoned (Ctrl-C, or close(wait=False))"
+            )
         with self._lock:
             if not self.alive():
                 self._reap()
@@ -167,8 +169,9 @@ class WriterClient:
         self._process = process
         self._attached = set()
         self._hello = Future()
+        channel = Channel(parent_sock)  # the reader gets this one: abandon() may clear _channel at any time
         with self._io_lock:
-            self._channel = Channel(parent_sock)
+            self._channel = channel
             self._pending = {}  # this writer's requests: a dead predecessor's reader must not fail them
         self._stderr_tail.clear()
         threading.Thread(
@@ -176,7 +179,7 @@ class WriterClient:
         ).start()
         threading.Thread(
             target=self._read_responses,
-            args=(self._channel, process, self._pending),
+            args=(channel, process, self._pending),
             name="ckptd-writer-rx",
             daemon=True,
         ).start()
