@@ -832,7 +832,10 @@ def _start_writer(writer: WriterClient | InProcessWriter) -> None:
     try:
         writer.ensure_running()
     except CkptdError as e:  # reported again by the first save
-        logger.warning("ckptd writer did not start: %s", e)
+        if writer.abandoned:  # close(wait=False) or Ctrl-C came first: nothing went wrong
+            logger.debug("ckptd writer start given up: %s", e)
+        else:
+            logger.warning("ckptd writer did not start: %s", e)
 
 
 def _complete_jobs(jobs: queue.Queue[tuple[Checkpointer, SaveJob] | None]) -> None:

@@ -217,6 +217,11 @@ class WriterClient:
             with self._arenas_lock:
                 self._arenas.clear()
 
+    @property
+    def abandoned(self) -> bool:
+        """:meth:`abandon` was called: no writer runs or starts again."""
+        return self._abandoned
+
     def abandon(self) -> None:
         """Stop the writer without letting it finish (a second Ctrl-C while waiting for saves):
         its socket is shut down, so it abandons the write in flight, removes that save's

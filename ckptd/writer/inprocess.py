@@ -108,6 +108,11 @@ class InProcessWriter:
         self._checksums.shutdown(wait=False)
         self._arenas.clear()
 
+    @property
+    def abandoned(self) -> bool:
+        """:meth:`abandon` (or :meth:`kill`) was called."""
+        return self._stop.is_set()
+
     def abandon(self) -> None:
         """Stop the write in flight at its next chunk and refuse new ones (see ``WriterClient``)."""
         self._stop.set()

@@ -79,7 +79,10 @@ class _Writer:
         self.worker = threading.Thread(target=self._work, name="ckptd-write", daemon=True)
 
     def run(self) -> int:
-        self.channel.send(Hello(os.getpid(), PROTOCOL_VERSION, __version__, "torch" in sys.modules))
+        try:
+            self.channel.send(Hello(os.getpid(), PROTOCOL_VERSION, __version__, "torch" in sys.modules))
+        except (ConnectionError, OSError):
+            return 0  # the trainer closed (or died) while this writer started: nothing to do, nothing to say
         self.worker.start()
         try:
             while True:

@@ -173,3 +173,24 @@ def test_writer_that_cannot_start_is_a_writer_error(root, monkeypatch):
         assert ckpt.steps() == []
     finally:
         ckpt.close(wait=False)
+
+
+def test_a_writer_whose_trainer_is_gone_before_it_says_hello_exits_quietly():
+    # close(wait=False) (or a trainer's death) while the writer starts: its first message finds
+    # the socket closed; it exits with status 0 and no traceback on stderr, which the trainer
+    # would otherwise relay as warnings.
+    import socket
+    import subprocess
+
+    from ckptd.writer.launch import helper_command, helper_environment
+
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    parent.close()  # the trainer let go before the writer started
+    try:
+        command = helper_command("ckptd.writer.process", "--fd", str(child.fileno()), "--parent-pid", str(os.getpid()))
+        done = subprocess.run(
+            command, pass_fds=(child.fileno(),), env=helper_environment(), capture_output=True, text=True, timeout=60
+        )
+    finally:
+        child.close()
+    assert done.returncode == 0 and done.stderr == "", done.stderr
