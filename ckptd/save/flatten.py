@@ -383,7 +383,12 @@ def _decode_tree(tree: Any, tensors: Mapping[str, torch.Tensor], allow_pickle: b
                     f"{where or 'the checkpoint'} holds a pickled object; pass allow_pickle=True "
                     "only if you trust the checkpoint"
                 )
-            return pickle.loads(base64.b64decode(node["b64"]))
+            try:
+                return pickle.loads(base64.b64decode(node["b64"]))
+            except Exception as e:  # anything unpickling raises: truncated data, a class that is gone, ...
+                raise CorruptCheckpointError(
+                    f"{where or 'the checkpoint state'}: a pickled object cannot be rebuilt ({type(e).__name__}: {e})"
+                ) from e
         raise CorruptCheckpointError(
             f"unknown tag {tag!r} in {where or 'the checkpoint state'} (written by a newer ckptd, or corrupt)"
         )

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import math
+import pickle
 from collections import OrderedDict
+from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
 from conftest import assert_same
 
-from ckptd.errors import ConfigError, UnsafeCheckpointError, UnsupportedValueError
+from ckptd.errors import ConfigError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
 from ckptd.save.flatten import flatten_component, restore_tree, tree_tensor_keys
 
 
@@ -91,6 +94,22 @@ def test_pickle_opt_in_is_needed_on_both_sides():
     assert restored["obj"] == complex(1, 2)
     with pytest.raises(UnsafeCheckpointError):
         restore_tree(flat.tree, flat.tensors)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "a class that is gone"])
+def test_a_pickled_value_that_cannot_be_rebuilt_is_a_corrupt_checkpoint_not_a_pickle_error(damage):
+    # with allow_pickle=True: a load across tiers falls back on CorruptCheckpointError only
+    _, flat = round_trip({"obj": complex(1, 2)}, allow_pickle=True)
+    tree = json.loads(json.dumps(flat.tree))
+    node = tree["obj"]
+    payload = base64.b64decode(node["b64"])
+    if damage == "truncated":
+        payload = payload[: len(payload) // 2]
+    else:
+        payload = pickle.dumps(Fraction(1, 3)).replace(b"fractions", b"fractionz")
+    node["b64"] = base64.b64encode(payload).decode()
+    with pytest.raises(CorruptCheckpointError, match="pickled object cannot be rebuilt"):
+        restore_tree(tree, flat.tensors, allow_pickle=True)
 
 
 def test_encoding_snapshots_values():
