@@ -130,6 +130,8 @@ class PeerSnapshots:
         self._errors: list[ReplicationError] = []
         self._jobs: queue.Queue[tuple[int, SaveRequest] | None] = queue.Queue()
         self._idle = threading.Condition()
+        self._replication_ended = False  # the replication thread returned (under _idle)
+        self._release_after_replication = False  # close() left the leases to that thread (under _idle)
         self._pending = 0
         self._thread = threading.Thread(target=self._replicate_loop, name="ckptd-replicas", daemon=True)
         self._thread.start()
@@ -172,6 +174,16 @@ class PeerSnapshots:
             raise errors[0]
 
     def _replicate_loop(self) -> None:
+        try:
+            self._replicate_jobs()
+        finally:
+            with self._idle:
+                self._replication_ended = True
+                release = self._release_after_replication
+            if release:  # close() did not wait for this thread: the leases were its to let go
+                self._release()
+
+    def _replicate_jobs(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
@@ -362,7 +374,10 @@ class PeerSnapshots:
             self._jobs.put(None)
             self._thread.join(timeout=None if wait else 5.0)
             self.checkpointer.close(wait=wait)
-            self._release()
+            with self._idle:  # a replication thread still waiting on a peer keeps the leases over what
+                self._release_after_replication = not self._replication_ended  # it writes, then lets go
+            if not self._release_after_replication:
+                self._release()
 
     def _release(self) -> None:
         for lease in self._leases:

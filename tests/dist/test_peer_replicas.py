@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -385,3 +386,34 @@ def test_a_step_is_kept_until_its_replica_is_sent_though_retention_would_drop_it
         assert outcome["error"] is None and outcome["refused"] == [], outcome
         assert [n for n in outcome["held"] if n.startswith("checkpoint-")] == ["checkpoint-6"]
         assert outcome["reused"], "the replica of step 7 took the pages of the dropped replica of step 5"
+
+
+def close_without_waiting_for_a_late_peer(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Rank 0 saves, then closes without waiting while rank 1 is late: rank 0's replication thread
+    still waits for rank 1's snapshot when close() returns, and receives it afterwards."""
+    be_host(base, rank)
+    snapshots = PeerSnapshots(NAME, replicas=1, hold_after_exit=0, timeout=60)
+    keepers = [lease.keeper_pid for lease in snapshots._leases] + [snapshots.checkpointer._lease.keeper_pid]
+    if rank == 1:
+        time.sleep(8.0)  # longer than close(wait=False) waits for the replication thread (5 s)
+    snapshots.async_save(1, rank_state(rank, 1)).result()
+    if rank == 1:
+        snapshots.close()
+        return {"keepers": keepers, "outlived": False}
+    snapshots.close(wait=False)
+    outlived = snapshots._thread.is_alive()
+    snapshots._thread.join(60)  # rank 1's snapshot arrives, is published, and the thread ends
+    return {"keepers": keepers, "outlived": outlived}
+
+
+def test_a_replica_received_after_close_without_wait_is_held_under_a_lease_and_released(tmp_path):
+    # close(wait=False) gives the replication thread 5 s; one still waiting on a late peer writes
+    # the replica later.  It must do so under the leases (they go when it ends), or the replica
+    # would stay in memory that no keeper ever releases.
+    base = str(tmp_path)
+    outcomes = run_ranks(2, close_without_waiting_for_a_late_peer, base)
+    assert outcomes[0]["outlived"], "the replication thread was still waiting when close() returned"
+    finish(outcomes)  # hold 0: the keepers release everything once the leases are gone
+    for rank in (0, 1):
+        root = os.path.join(base, f"host-{rank}", f"ckptd-{os.getuid()}")
+        assert sorted(os.listdir(root)) == [".hold"], f"host {rank} still holds {os.listdir(root)}"
