@@ -749,12 +749,17 @@ class Checkpointer:
         self._abandoned = why
         self._writer.abandon()
 
-    def _close_now(self, wait: bool, *, told: bool, at_exit: bool) -> None:
-        if not wait and self.pending():  # first, so that a save waiting for a slot gets one
+    def _abandon_unless_waiting(self, wait: bool) -> None:
+        """``close(wait=False)`` with saves pending: they are abandoned, not left to run on."""
+        if not wait and self._abandoned is None and self.pending():
             self._abandon_in_flight("when the Checkpointer was closed with wait=False")
+
+    def _close_now(self, wait: bool, *, told: bool, at_exit: bool) -> None:
+        self._abandon_unless_waiting(wait)  # first, so that a save waiting for a slot gets one
         if self._starting is not None and self._starting != threading.get_ident():
             with self._save_lock:  # a save being started is queued (or refused) before the snapshot below
                 pass
+        self._abandon_unless_waiting(wait)  # and one queued meanwhile
         pending = self.pending()
         abandon = False
         active = wait and bool(pending)
@@ -762,10 +767,7 @@ class Checkpointer:
             try:
                 if at_exit and ctrl_c.armed and CtrlC.abandoned_at_exit:
                     abandon = True  # the user abandoned another Checkpointer's saves at this exit
-                elif not wait:  # not waiting: the saves in flight are abandoned, not left to run on
-                    if pending and self._abandoned is None:
-                        self._abandon_in_flight("when the Checkpointer was closed with wait=False")
-                else:
+                elif wait:
                     self._release_throttle()
                     if pending:
                         where = "the exit" if at_exit else "close()"

@@ -333,12 +333,15 @@ def _remove_leftovers() -> None:
     try:
         directory = private_directory(create=False)
         entries = os.listdir(directory)
-        controls = os.listdir(os.path.join(directory, CONTROL_DIRECTORY))
     except (FileNotFoundError, UnsafeCheckpointError):
         return
     for entry in entries:
         if entry.startswith(_DOOMED_PREFIX):
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
+    try:
+        controls = os.listdir(os.path.join(directory, CONTROL_DIRECTORY))
+    except FileNotFoundError:
+        return
     for entry in controls:
         name, _, kind = entry.rpartition(".")
         if kind.startswith(_SETTINGS_STAGING):  # _write_settings's staging file: lives for microseconds
