@@ -39,6 +39,7 @@ __all__ = [
     "checkpoint_dir_name",
     "ManifestCache",
     "find_step",
+    "is_linked_checkpoint",
     "discard_directory",
     "leftover_name",
     "latest_checkpoint",
@@ -74,9 +75,19 @@ def find_step(storage: Storage, root: str, step: int) -> str | None:
     the zero-padded ``checkpoint-<step:06d>`` older ckptd versions wrote (no listing needed)."""
     for name in dict.fromkeys((checkpoint_dir_name(step), f"checkpoint-{step:06d}")):
         path = storage.join(root, name)
-        if storage.exists(storage.join(path, MANIFEST_NAME)):
+        if not is_linked_checkpoint(storage, path) and storage.exists(storage.join(path, MANIFEST_NAME)):
             return path
     return None
+
+
+def is_linked_checkpoint(storage: Storage, path: str) -> bool:
+    """True when the checkpoint directory ``path`` of a local root is a symlink.
+
+    A root's checkpoints are its own directories: a ``checkpoint-N`` that links elsewhere (outside
+    the root, or to another step's directory) is never listed, loaded by step or deleted by
+    retention (which would rename the link and leave or remove what it leads to).
+    """
+    return storage.local and os.path.islink(path.rstrip(os.sep))
 
 
 class ManifestCache:
@@ -148,12 +159,24 @@ def read_manifest(storage: Storage, path: str, cache: ManifestCache | None = Non
     except (CkptdError, OSError) as e:
         if isinstance(e, OSError) and e.errno == errno.ENOTDIR:
             return None  # a plain file named like a checkpoint
-        report = f"{path}: {e}"
-        if report not in _reported:  # once per process, not on every listing
-            if len(_reported) < 10_000:
-                _reported.add(report)
-            logger.warning("skipping %s (not a valid checkpoint): %s", path, e)
+        _warn_once(path, str(e))
         return None
+
+
+def _warn_once(path: str, reason: str) -> None:
+    report = f"{path}: {reason}"
+    if report not in _reported:  # once per process, not on every listing
+        if len(_reported) < 10_000:
+            _reported.add(report)
+        logger.warning("skipping %s (not a valid checkpoint): %s", path, reason)
+
+
+def _listed_manifest(storage: Storage, path: str, cache: ManifestCache | None = None) -> Manifest | None:
+    """The manifest of the entry ``path`` of a root, ``None`` (with a warning) for a symlink."""
+    if is_linked_checkpoint(storage, path):
+        _warn_once(path, "a symlink: a checkpoint under a root must be a directory of the root")
+        return None
+    return read_manifest(storage, path, cache)
 
 
 def list_checkpoints(storage: Storage, root: str, cache: ManifestCache | None = None) -> list[CheckpointInfo]:
@@ -165,7 +188,7 @@ def list_checkpoints(storage: Storage, root: str, cache: ManifestCache | None = 
         if step is None:
             continue
         path = storage.join(root, name)
-        manifest = read_manifest(storage, path, cache)
+        manifest = _listed_manifest(storage, path, cache)
         if manifest is not None:
             found.append(CheckpointInfo(step, path, manifest))
     if cache is not None:
@@ -181,7 +204,7 @@ def latest_checkpoint(storage: Storage, root: str) -> CheckpointInfo | None:
     )
     for step, name in candidates:
         path = storage.join(root, name)
-        manifest = read_manifest(storage, path)
+        manifest = _listed_manifest(storage, path)
         if manifest is not None:
             return CheckpointInfo(step, path, manifest)
     return None

@@ -26,7 +26,15 @@ from typing import Any
 
 import torch
 
-from .catalog import CheckpointInfo, checkpoint_dir_name, find_step, latest_checkpoint, list_checkpoints, read_manifest
+from .catalog import (
+    CheckpointInfo,
+    checkpoint_dir_name,
+    find_step,
+    is_linked_checkpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    read_manifest,
+)
 from .dist.group import DistContext, group_leaders
 from .errors import (
     CheckpointNotFoundError,
@@ -35,6 +43,7 @@ from .errors import (
     ConfigError,
     CorruptCheckpointError,
     StorageError,
+    UnsafeCheckpointError,
     WriterError,
 )
 from .formats.manifest import Manifest
@@ -275,7 +284,13 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, (int, str, os.PathLike)):
             raise ConfigError(f"step must be an int, 'latest' or a path, got {step!r}")
         if isinstance(step, int):
-            return find_step(self.storage, self.root, step) or self.path_for(step)  # zero-padded names too
+            found = find_step(self.storage, self.root, step)  # zero-padded names too
+            if found is None and is_linked_checkpoint(self.storage, self.path_for(step)):
+                raise UnsafeCheckpointError(
+                    f"{self.path_for(step)} is a symlink: a checkpoint under a root must be a directory of the root; "
+                    "load the link by its path to follow it"
+                )
+            return found or self.path_for(step)
         path = os.fspath(step)
         return local_path(path) if is_local(path) and self.storage.local else path
 

@@ -129,6 +129,36 @@ def test_manifest_symlink_is_refused(saved, tmp_path):
     assert checkpointer.steps() == []
 
 
+def test_a_checkpoint_directory_linked_from_outside_the_root_is_not_followed(checkpointer, tmp_path, caplog):
+    """A ``checkpoint-N`` that is a symlink (here to a committed checkpoint outside the root) is
+    not one of the root's checkpoints: not listed, not the latest, not loaded by step, never
+    deleted through the link by retention; loading the link by its own path still follows it."""
+    state = {"model": {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}}
+    checkpointer.save(1, state)
+    outside = ckptd.Checkpointer(str(tmp_path / "outside"))
+    try:
+        outside.save(9, {"model": {"w": torch.ones(2, 3)}})
+    finally:
+        outside.close()
+    link = checkpointer.path_for(9)
+    os.symlink(str(tmp_path / "outside" / "checkpoint-9"), link)
+
+    with caplog.at_level(logging.WARNING, logger="ckptd.catalog"):
+        assert checkpointer.steps() == [1]
+        assert checkpointer.latest_step() == 1
+        assert latest_checkpoint(LocalStorage(), checkpointer.root).step == 1
+        loaded = checkpointer.load("latest")
+        assert_same(loaded["model"]["w"], state["model"]["w"])
+        with pytest.raises(UnsafeCheckpointError, match="symlink"):
+            checkpointer.load(9)
+        assert apply_retention(LocalStorage(), checkpointer.root, keep_last=1) == []
+    assert "a symlink" in caplog.text and link in caplog.text
+    assert os.path.islink(link)
+    assert os.path.isfile(tmp_path / "outside" / "checkpoint-9" / MANIFEST)
+    followed = checkpointer.load(link)
+    assert_same(followed["model"]["w"], torch.ones(2, 3))
+
+
 def test_small_file_size_cap(tmp_path):
     path = tmp_path / "big.json"
     path.write_bytes(b"[" + b" " * 4096 + b"]")
