@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import os
+import random
 
 import pytest
 import torch
@@ -91,6 +92,21 @@ def test_crc32c_combine_equals_the_checksum_of_the_whole():
     for piece in pieces[1:]:
         value = crc32c_combine(value, crc32c(piece), len(piece))
     assert value == crc32c(b"".join(pieces))
+
+
+def test_crc32c_combine_moves_past_every_power_of_two_and_mixed_lengths():
+    """Every zero-byte operator the combine uses (one per set bit of the length, up to 64 MiB
+    here) and lengths with many set bits, against the CRC32C of the bytes themselves."""
+    rng = random.Random(5)
+    head = os.urandom(29)
+    zeros = bytes(1 << 26)
+    lengths = [1 << bit for bit in range(27)] + [(1 << 26) - 1, 0x2AAAAAA, 0x1555555] + [
+        rng.randrange(1, 1 << 26) for _ in range(8)
+    ]
+    for length in lengths:
+        tail = zeros[:length] if length > 4096 else os.urandom(length)
+        expected = crc32c(tail, crc32c(head))
+        assert crc32c_combine(crc32c(head), crc32c(tail), length) == expected, length
 
 
 def test_crc32c_concat_folds_runs_in_order():

@@ -12,7 +12,7 @@ import crc32c as reference
 import pytest
 
 from ckptd import _crc32c
-from ckptd.formats.checksum import crc32c, crc32c_concat, crc32c_of_view
+from ckptd.formats.checksum import crc32c, crc32c_concat, crc32c_of_view, crc32c_overlay, crc32c_spread, crc32c_zeros
 
 
 def test_the_fast_implementation_is_in_use():
@@ -60,3 +60,35 @@ def test_a_mapping_checksummed_in_chunks_as_the_writer_does():
         view.release()
     finally:
         mapping.close()
+
+
+def test_zeros_without_the_bytes():
+    for length in (0, 1, 7, 4096, 123_457, 1 << 22):
+        assert crc32c_zeros(length) == reference.crc32c(bytes(length)), length
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 7])
+def test_files_written_in_parts_by_several_ranks_combine_from_one_spread_per_rank(ranks):
+    """A file cut into runs dealt to ``ranks`` owners at random: each owner's runs fold into one
+    spread, and the spreads (odd and even counts) give the CRC32C of the whole file."""
+    rng = random.Random(ranks)
+    for _ in range(40):
+        size = rng.randrange(1, 20_000)
+        cuts = sorted(rng.sample(range(1, size), min(size - 1, rng.randrange(0, 16)))) if size > 1 else []
+        bounds = [0, *cuts, size]
+        data = rng.randbytes(size)
+        owners = [rng.randrange(ranks) for _ in bounds[1:]]
+        spreads = []
+        for owner in range(ranks):
+            runs = [(a, crc32c(data[a:b]), b - a) for a, b, o in zip(bounds, bounds[1:], owners) if o == owner]
+            if runs:
+                spreads.append(crc32c_spread(runs))
+        assert crc32c_overlay(spreads, size) == reference.crc32c(data)
+
+
+def test_a_spread_refuses_runs_out_of_order_and_an_overlay_parts_beyond_the_file():
+    with pytest.raises(ValueError, match="overlap or are out of order"):
+        crc32c_spread([(10, 0, 5), (12, 0, 5)])
+    assert crc32c_spread([]) == (0, 0)
+    with pytest.raises(ValueError, match="beyond"):
+        crc32c_overlay([(0, 11)], 10)
