@@ -7,7 +7,7 @@ the collectives are replaced by in-memory lists of the pickled messages (their l
 bytes each rank would send or receive); the coordinator's side is the real
 :class:`~ckptd.save.exchange.Exchange` (``answer_briefs`` / ``answer_descriptions``, which plan with
 :func:`~ckptd.save.plan_unique.plan_unique` and the real ``plan_save``); the commit is the real
-:func:`~ckptd.save.saver.combine_pieces` and :func:`~ckptd.save.commit.finalize_checkpoint`,
+:func:`~ckptd.save.file_checksums.combine_pieces` and :func:`~ckptd.save.commit.finalize_checkpoint`,
 writing indexes and the manifest to a temporary directory (the shard files are not written:
 every rank's write results are made up from its pieces).
 
@@ -27,14 +27,16 @@ Sharding mixes (``--mix``):
 
 With ``--explicit`` the ``fsdp``/``hsdp`` mixes are described by boxes instead (a layout per
 rank, as the code before did; object stores still do): O(W x tensors) descriptions to build, so
-for small W; the commit then combines every piece's result.  With ``--per-rank`` every rank
+for small W; each rank folds its pieces (``fold s``: the slowest rank) and the commit combines the
+folded results.  With ``--per-rank`` every rank
 also holds one per-rank tensor (``rng@rank<r>``, its own file and index): W more distinct
 layouts.
 
 For the grid mixes the coordinator's answer is one :class:`~ckptd.save.plan_unique.ClassPlan`
-for every rank; each rank derives its own pieces (timed for one rank: ``derive s``).  The commit
-is then fed one made-up result per file (each file's row blocks come from up to W ranks; their
-CRC combination, O(pieces), is not simulated at that size: see docs/benchmarks.md).
+for every rank; each rank derives its own pieces and folds its pieces of each shared file into one
+write result (:func:`~ckptd.save.file_checksums.fold_shared_pieces`; both timed for one rank:
+``derive s``, ``fold s``).  The commit is then fed one made-up folded result per rank and file
+(every rank writing part of every file: the most the coordinator combines; ``results``).
 
 Run: ``python benchmarks/bench_coordination.py [--mix megatron,fsdp,hsdp] [--worlds
 8,64,512,4096,16384] [--tensors 1000] [--plot docs/coordination.png] [--per-rank] [--explicit]
@@ -67,10 +69,10 @@ from ckptd.dist.group import DistContext
 from ckptd.formats.manifest import Manifest
 from ckptd.save.commit import ComponentInfo, finalize_checkpoint
 from ckptd.save.exchange import Assignment, Brief, Exchange, PlanBook, layout_of
+from ckptd.save.file_checksums import combine_pieces, fold_shared_pieces
 from ckptd.save.incremental import Reuse
-from ckptd.save.plan import LocalTensor, SavePlan
+from ckptd.save.plan import LocalTensor, RankPlan, SavePlan
 from ckptd.save.plan_unique import derive_rank_plan
-from ckptd.save.saver import combine_pieces
 from ckptd.storage.local import LocalStorage
 from ckptd.writer.protocol import FileResult
 
@@ -157,6 +159,8 @@ class Measure:
     manifest_bytes: int = 0
     plans_made: int = 0
     derive_seconds: float = 0.0  # one rank deriving its plan from its class plan (grid mixes)
+    fold_seconds: float = 0.0  # one rank folding its pieces of shared files into one result per file
+    results: int = 0  # write results the coordinator receives and combines
 
 
 class _Simulation:
@@ -203,6 +207,7 @@ class _Simulation:
         self.exchange = Exchange(context, root, PlanBook(2**30, shared_files=True, separate_frozen=False))
         self.storage = LocalStorage()
         self.saves = 0
+        self.derived: RankPlan | None = None  # the last rank's own plan, derived from its class plan
 
     def _class(self, rank: int) -> tuple[int, int, bool]:
         if self.mix != "megatron":
@@ -254,8 +259,19 @@ class _Simulation:
             own = grid_tensors(self.world, last, self.tensors, self.mix)
             if self.briefs[last].trees:
                 own += [LocalTensor(f"rng@rank{last}", "state", "U8", (5056,), (0,), (5056,))]
-            _, measure.derive_seconds, _ = _run(lambda: derive_rank_plan(answers[last].class_plan, last, own), False)
-        results = _results(whole)
+            self.derived, measure.derive_seconds, _ = _run(
+                lambda: derive_rank_plan(answers[last].class_plan, last, own), False
+            )
+        if whole.class_plans:  # the last rank folds its own pieces (it kept its derived plan)
+            derived = self.derived
+            assert derived is not None
+            _, measure.fold_seconds, _ = _run(lambda: fold_shared_pieces(derived, _piece_results(derived)), False)
+            results = _class_results(whole)
+        else:
+            folded = [_run(lambda r=r: fold_shared_pieces(r, _piece_results(r)), False) for r in whole.ranks]
+            measure.fold_seconds = max(seconds for _, seconds, _ in folded)
+            results = [result for made, _, _ in folded for result in made]
+        measure.results = len(results)
         _, measure.commit_seconds, measure.commit_peak = _run(lambda: self._commit(whole, results, briefs), trace)
         measure.manifest_bytes = Path(self.root, f"step-{self.saves}", "checkpoint_manifest.json").stat().st_size
         measure.coordinator_bytes = sent[0] + received[0] + sum(sent[1:])  # it receives what the others send
@@ -293,12 +309,23 @@ class _Simulation:
         )
 
 
-def _results(plan: SavePlan) -> list[FileResult]:
-    """What every rank's writer would report for its pieces (CRCs made up: nothing is written);
-    with class plans (grid mixes), one result per file."""
-    if plan.class_plans:
-        return [FileResult(f.file_name, f.size, 0, 0.0, 0) for f in plan.files]
-    return [FileResult(p.file_name, p.size, 0, 0.0, p.file_offset) for r in plan.ranks for p in r.pieces]
+def _piece_results(plan: RankPlan) -> list[FileResult]:
+    """What a rank's writer would report for its pieces (CRCs made up: nothing is written)."""
+    return [FileResult(p.file_name, p.size, 0, 0.0, p.file_offset) for p in plan.pieces]
+
+
+def _class_results(plan: SavePlan) -> list[FileResult]:
+    """What the coordinator receives with class plans (grid mixes), made up without deriving
+    every rank's plan: one folded result per rank and file, as if every rank wrote part of every
+    file (an upper bound of the combining work: W results per file)."""
+    out = []
+    for f in plan.files:
+        share, extra = divmod(f.size, plan.world_size)
+        for rank in range(plan.world_size):
+            size = share + (rank < extra)
+            if size:
+                out.append(FileResult(f.file_name, size, rank, 0.0, 0, spread_end=f.size))
+    return out
 
 
 def _run(fn: Callable[[], Any], trace: bool) -> tuple[Any, float, int]:
@@ -362,15 +389,15 @@ def mesh_label(world: int, mix: str) -> str:
 def table(measures: list[Measure]) -> str:
     lines = [
         "| ranks | mesh | save | plan s | coord bytes | bytes/other rank | plan peak MB | manifest s | "
-        "manifest peak MB | manifest KB | derive s |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "manifest peak MB | manifest KB | derive s | fold s | results |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in measures:
         lines.append(
             f"| {m.world} | {mesh_label(m.world, m.mix)} | {m.phase} | {m.plan_seconds:.3f} | "
             f"{m.coordinator_bytes:,} | {m.other_bytes_max:,} | {m.plan_peak / 2**20:.1f} | "
             f"{m.commit_seconds:.3f} | {m.commit_peak / 2**20:.1f} | {m.manifest_bytes / 1024:.0f} | "
-            f"{m.derive_seconds:.3f} |"
+            f"{m.derive_seconds:.3f} | {m.fold_seconds:.3f} | {m.results:,} |"
         )
     return "\n".join(lines)
 

@@ -17,12 +17,12 @@ import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._version import __version__
 from ..catalog import ManifestCache, discard_directory, read_manifest
-from ..errors import CheckpointExistsError, CorruptCheckpointError, ForeignFilesError, WriterError
-from ..formats.checksum import crc32c, crc32c_concat, format_crc
+from ..errors import CheckpointExistsError, ForeignFilesError, WriterError
+from ..formats.checksum import crc32c, format_crc
 from ..formats.manifest import (
     STATE_FORMAT,
     ComponentRecord,
@@ -36,11 +36,6 @@ from ..formats.manifest import (
 from ..formats.names import CLAIM_NAME, MANIFEST_NAME, STATE_NAME, hf_index_name, leftover_name
 from ..storage import Storage, liveness
 from ..storage.local import LocalStorage
-from ..writer.protocol import FileResult
-
-if TYPE_CHECKING:
-    from .incremental import ReusedFile
-    from .plan import SavePlan  # plan imports torch; this module must not
 
 __all__ = [
     "CLAIM_NAME",
@@ -49,7 +44,6 @@ __all__ = [
     "check_destination",
     "check_object_prefix",
     "claim_step",
-    "combine_pieces",
     "finalize_checkpoint",
     "publish",
     "staging_directory",
@@ -384,45 +378,3 @@ def publish(storage: Storage, staging_dir: str, final_dir: str, *, overwrite: bo
                 storage.rename_directory(replaced, final_dir)  # the old checkpoint stays the committed one
             raise
         storage.remove_tree(replaced)
-
-
-def combine_pieces(
-    plan: SavePlan,
-    results: Sequence[FileResult],
-    reused: Mapping[str, ReusedFile] | None = None,
-    hashed: Mapping[str, ReusedFile] | None = None,
-) -> dict[str, FileRecord]:
-    """File records from per-piece write results: every file must be covered exactly, in order;
-    the pieces' CRC32Cs combine into the file's.  A file an incremental save made from the last
-    checkpoint's (``reused``, or a ``hashed`` one whose SHA-256 matched: the writer linked or
-    copied it) keeps that checkpoint's size, CRC32C and digest, and records how it was made."""
-    reused, hashed = reused or {}, hashed or {}
-    by_file: dict[str, list[FileResult]] = {}
-    for result in results:
-        by_file.setdefault(result.name, []).append(result)
-    records: dict[str, FileRecord] = {}
-    for file in plan.files:
-        name = file.file_name
-        results_of_file = by_file.get(name, [])
-        made = [r for r in results_of_file if r.reused]
-        if made:
-            source = reused.get(name) or hashed.get(name)
-            if source is None or len(results_of_file) != 1:
-                raise CorruptCheckpointError(f"{name}: the writer made it from an earlier checkpoint, unasked")
-            records[name] = source.record(made[0].how)
-            continue
-        if name in reused:
-            raise CorruptCheckpointError(f"{name}: taken from {reused[name].source}, but no rank linked or copied it")
-        pieces = sorted(results_of_file, key=lambda r: r.file_offset)
-        position = 0
-        for piece in pieces:
-            if piece.file_offset != position:
-                gap = f"{position}-{piece.file_offset}"
-                raise CorruptCheckpointError(f"{name}: bytes {gap} were not written by any rank")
-            position += piece.size
-        value = crc32c_concat((piece.crc32c, piece.size) for piece in pieces)
-        if position != file.size:
-            raise CorruptCheckpointError(f"{name}: {position} of {file.size} bytes were written")
-        digest = pieces[0].digest if len(pieces) == 1 else None  # a SHA-256 covers one whole-file write
-        records[name] = FileRecord(file.size, format_crc(value), digest=digest)
-    return records

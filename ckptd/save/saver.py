@@ -50,7 +50,6 @@ from .commit import (
     Descriptions,
     check_destination,
     claim_step,
-    combine_pieces,
     finalize_checkpoint,
     write_descriptions,
 )
@@ -58,6 +57,7 @@ from .coordinate import Coordinator, Outcome, Report, Round, SoloCoordinator, St
 from .describe import Describer, Payload
 from .exchange import Exchange, PlanBook, Planned, planned_alone
 from .file_arena import FileArena, adoptable, arena_directory
+from .file_checksums import combine_pieces, fold_shared_pieces
 from .flatten import FlatComponent
 from .incremental import IncrementalPolicy, Reuse
 from .plan import RankPlan, SavePlan, plan_save
@@ -476,7 +476,13 @@ class Saver:
             try:
                 coordinator.prepare(round_, lambda: self._prepare(job))
                 self._describe_early(job)
-                report = Report(tuple(self._write(job, timings)))
+                written = self._write(job, timings)
+                # Other ranks report one result per shared file, not per piece (W x tensors).
+                report = Report(
+                    fold_shared_pieces(job.rank_plan, written, job.reuse.reused)
+                    if self.dist is not None
+                    else tuple(written)
+                )
             except BaseException as e:  # noqa: BLE001 - reported, then raised by outcome()
                 report = Report(error=e)
             finally:

@@ -116,7 +116,12 @@ HOW_WRITTEN = "write"
 @dataclass(frozen=True)
 class FileResult:
     """What the writer did for one :class:`FileSpec` or :class:`CopySpec`: ``how`` the file was
-    made, the CRC32C of those bytes only, and their SHA-256 when asked (``"sha256:<hex>"``)."""
+    made, the CRC32C of those bytes only, and their SHA-256 when asked (``"sha256:<hex>"``).
+
+    ``spread_end`` > 0: a rank's report of every piece it wrote of a file other ranks write parts
+    of (:func:`~ckptd.save.file_checksums.fold_shared_pieces`): ``size`` bytes in all, ``crc32c``
+    their :func:`~ckptd.formats.checksum.crc32c_spread` (zeros between them, up to ``spread_end``).
+    """
 
     name: str
     size: int
@@ -125,6 +130,7 @@ class FileResult:
     file_offset: int = 0
     how: str = HOW_WRITTEN
     digest: str | None = None
+    spread_end: int = 0
 
     @property
     def reused(self) -> bool:

@@ -5,17 +5,19 @@ the explicit plan of the same boxes (computed by torch's own placement code)."""
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from ckptd.dist.grid import Grid
-from ckptd.errors import ShardingError
+from ckptd.errors import CorruptCheckpointError, ShardingError
+from ckptd.formats.checksum import crc32c
 from ckptd.save.exchange import layout_of
+from ckptd.save.file_checksums import combine_pieces, fold_shared_pieces
 from ckptd.save.plan import LocalTensor, plan_save
 from ckptd.save.plan_unique import derive_rank_plan, plan_unique
-from ckptd.save.saver import combine_pieces
 from ckptd.writer.protocol import FileResult
 
 SHAPES = [(7, 5), (2, 3), (16,), (9, 4, 2), (1, 8), ()]  # uneven rows, empty pieces, 1-D, 3-D, 0-D
@@ -122,3 +124,67 @@ def test_the_explicit_plan_skips_empty_pieces(shared_files):
     combine_pieces(plan, results)  # raises on a gap or an overlap
     chunks = plan.tensors["model"]["w1"].chunks
     assert [c.shape for c in chunks] == ([(2, 3)] if shared_files else [(1, 3), (1, 3)])
+
+
+def written_results(plan, pieces, contents):
+    """The writer's per-piece results for ``pieces``, with the real CRC32C of their bytes."""
+    return [
+        FileResult(
+            p.file_name,
+            p.size,
+            crc32c(contents[p.file_name][p.file_offset : p.file_offset + p.size]),
+            0.0,
+            p.file_offset,
+        )
+        for p in pieces
+    ]
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "placements"),
+    [((4,), [Shard(0)]), ((2, 3), [Replicate(), Shard(0)]), ((2, 2), [Shard(0), Shard(0)])],
+    ids=["fsdp-4", "hsdp-2x3", "shard-twice-2x2"],
+)
+def test_each_rank_folds_its_pieces_of_a_shared_file_into_one_result_and_the_file_crc_is_exact(mesh_shape, placements):
+    """What the coordinator receives: one result per rank and shared file (not one per piece),
+    from which every file's CRC32C comes out as that of its bytes."""
+    coordinates, symbolic, _ = job(mesh_shape, placements)
+    layouts, descriptions = zip(*(layout_of(local) for local in symbolic), strict=True)
+    merged = {d: t for known in descriptions for d, t in known.items()}
+    plan = plan_unique(list(layouts), merged, 64, coordinates=[(c,) for c in coordinates])
+    rng = random.Random(3)
+    contents = {f.file_name: rng.randbytes(f.size) for f in plan.files}
+    reported, per_piece = [], 0
+    for rank, local in enumerate(symbolic):
+        derived = derive_rank_plan(plan.class_plans[rank], rank, local)
+        results = written_results(plan, derived.pieces, contents)
+        per_piece += len(results)
+        folded = fold_shared_pieces(derived, results)
+        shared = {p.file_name for p in derived.pieces if not p.whole_file}
+        assert sorted(r.name for r in folded if r.spread_end) == sorted(shared), "one result per shared file"
+        reported.extend(folded)
+    assert len(reported) < per_piece
+    records = combine_pieces(plan, reported)
+    assert {name: r.crc32c for name, r in records.items()} == {
+        name: f"{crc32c(data):08x}" for name, data in contents.items()
+    }
+
+
+def test_a_rank_whose_writer_did_not_write_its_plan_and_a_rank_that_did_not_report_are_caught():
+    coordinates, symbolic, _ = job((4,), [Shard(0)])
+    layouts, descriptions = zip(*(layout_of(local) for local in symbolic), strict=True)
+    merged = {d: t for known in descriptions for d, t in known.items()}
+    plan = plan_unique(list(layouts), merged, 64, coordinates=[(c,) for c in coordinates])
+    contents = {f.file_name: bytes(f.size) for f in plan.files}
+    derived = [derive_rank_plan(plan.class_plans[r], r, symbolic[r]) for r in range(4)]
+    results = [written_results(plan, d.pieces, contents) for d in derived]
+    shared_piece = next(i for i, p in enumerate(derived[1].pieces) if not p.whole_file)
+    with pytest.raises(CorruptCheckpointError, match="where the plan has"):
+        fold_shared_pieces(derived[1], results[1][:shared_piece] + results[1][shared_piece + 1 :])  # one missing
+    with pytest.raises(CorruptCheckpointError, match="where the plan has"):
+        fold_shared_pieces(derived[1], [*results[1], results[1][shared_piece]])  # one twice
+    folded = [fold_shared_pieces(d, r) for d, r in zip(derived, results, strict=True)]
+    with pytest.raises(CorruptCheckpointError, match="bytes were written"):
+        combine_pieces(plan, [r for f in folded[:3] for r in f])  # rank 3 reported nothing
+    with pytest.raises(CorruptCheckpointError, match="one by one where the others folded"):
+        combine_pieces(plan, [r for f in folded[:3] for r in f] + results[3])  # rank 3 did not fold
