@@ -163,12 +163,12 @@ def read_manifest(storage: Storage, path: str, cache: ManifestCache | None = Non
         return None
 
 
-def _warn_once(path: str, reason: str) -> None:
+def _warn_once(path: str, reason: str, message: str = "skipping %s (not a valid checkpoint): %s") -> None:
     report = f"{path}: {reason}"
     if report not in _reported:  # once per process, not on every listing
         if len(_reported) < 10_000:
             _reported.add(report)
-        logger.warning("skipping %s (not a valid checkpoint): %s", path, reason)
+        logger.warning(message, path, reason)
 
 
 def _listed_manifest(storage: Storage, path: str, cache: ManifestCache | None = None) -> Manifest | None:
@@ -272,6 +272,9 @@ def spare_files(root: str) -> dict[str, str]:
     none).  Whether one can be reused (a regular file, no other link, no larger than the new
     one) is decided where it is taken: :func:`~ckptd.storage.local.open_recycled`."""
     directory = os.path.join(root, SPARE_NAME)
+    if os.path.islink(directory):  # not the root's: its files are never taken over
+        _warn_once(directory, "a symlink, not a directory of the root", "not reusing the files of %s: %s")
+        return {}
     try:
         return {name: os.path.join(directory, name) for name in os.listdir(directory)}
     except OSError:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .._version import __version__
-from ..catalog import read_manifest, remove_checkpoint
+from ..catalog import is_linked_checkpoint, read_manifest, remove_checkpoint
 from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -489,13 +489,20 @@ def _join(directory: str, name: str) -> str:
 
 
 def _candidates(checkpoints_dir: str) -> list[str]:
-    """``checkpoints_dir/checkpoint-*``: Forgather's glob (hidden staging names never match)."""
+    """``checkpoints_dir/checkpoint-*``: Forgather's glob (hidden staging names never match),
+    without the entries that are symlinks (unlike Forgather: a link is not one of the directory's
+    checkpoints, so it is never the latest, never counted by rotation, never deleted through)."""
     storage = storage_for(checkpoints_dir)
+    location = normalize_location(checkpoints_dir)
     try:
-        names = storage.list_names(normalize_location(checkpoints_dir))
+        names = storage.list_names(location)
     except FileNotFoundError:
         return []
-    return [_join(checkpoints_dir, n) for n in sorted(names) if n.startswith("checkpoint-")]
+    return [
+        _join(checkpoints_dir, n)
+        for n in sorted(names)
+        if n.startswith("checkpoint-") and not is_linked_checkpoint(storage, storage.join(location, n))
+    ]
 
 
 def _get_checkpoint_timestamp(checkpoint_path: str) -> float:

@@ -172,5 +172,9 @@ def leftover_name(base: str, kind: str) -> str:
 
 
 def match_leftover_name(name: str) -> re.Match[str] | None:
-    """The parts (``base``, ``kind``, ``host``, ``pid``) of a :func:`leftover_name`, else ``None``."""
-    return _LEFTOVER_RE.match(name)
+    """The parts (``base``, ``kind``, ``host``, ``pid``) of a :func:`leftover_name`, else ``None``
+    (also for a base that names no entry of the root: ``.``, ``..`` or a path)."""
+    match = _LEFTOVER_RE.match(name)
+    if match is None or match["base"] in (".", "..") or "/" in match["base"]:
+        return None
+    return match

@@ -16,10 +16,12 @@ state; other ranks' RNG states are not saved).  ``training_args.bin`` (a pickle)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import secrets
 import threading
 from typing import Any
 
@@ -47,10 +49,18 @@ def is_ckptd_checkpoint(path: str | os.PathLike[str]) -> bool:
 
 
 def _write_text(path: str, text: str) -> None:
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(temporary, path)
+    """Replace ``path`` with ``text`` through a new file of a name nobody could have planted
+    (created exclusively, never through a symlink), renamed over it."""
+    temporary = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 class CkptdTrainerMixin:
@@ -191,7 +201,11 @@ class CkptdTrainerMixin:
             finished.set()
 
     def _rotate(self, run_dir: str, limit: int) -> None:
-        checkpoints = [p for p in sort_checkpoints(run_dir, PREFIX_CHECKPOINT_DIR, False) if is_ckptd_checkpoint(p)]
+        checkpoints = [  # a symlink is not one of the run's checkpoints: never counted, never deleted through
+            p
+            for p in sort_checkpoints(run_dir, PREFIX_CHECKPOINT_DIR, False)
+            if is_ckptd_checkpoint(p) and not os.path.islink(p.rstrip(os.sep))
+        ]
         if len(checkpoints) <= limit:
             return
         best = self.state.best_model_checkpoint  # type: ignore[attr-defined]

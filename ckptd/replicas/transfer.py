@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..catalog import spare_files
-from ..errors import CorruptCheckpointError, ReplicationError
+from ..errors import CkptdError, CorruptCheckpointError, ReplicationError, UnsafeCheckpointError
 from ..formats.checksum import crc32c, format_crc
 from ..formats.manifest import MANIFEST_NAME, Manifest
 from ..formats.names import checkpoint_dir_name
@@ -31,8 +32,11 @@ from ..save.commit import publish, staging_directory
 from ..storage import Storage
 from ..storage.held import in_held_memory
 from ..storage.local import open_recycled
+from ..storage.local_read import PinnedDirectory
 
 __all__ = ["PIECE", "BackgroundSend", "Received", "receive_checkpoint", "send_checkpoint"]
+
+logger = logging.getLogger(__name__)
 
 PIECE = 8 * 1024 * 1024
 """Bytes sent at a time: the memory a transfer holds on each side."""
@@ -154,19 +158,29 @@ def _check_listing(manifest: Manifest, files: list[list[Any]]) -> str | None:
 
 
 def _open_checkpoint(path: str) -> tuple[bytes, list[tuple[str, int, int]]] | None:
-    """The manifest's bytes and ``(name, size, fd)`` of every file it lists, all opened now;
-    ``None`` when the checkpoint is gone or unreadable."""
+    """The manifest's bytes and ``(name, size, fd)`` of every file it lists, all opened now,
+    relative to the directory opened once and never through a symlink; ``None`` when the
+    checkpoint is gone, unreadable or holds a link (what is sent is the checkpoint's own bytes)."""
     files: list[tuple[str, int, int]] = []
     try:
-        with open(os.path.join(path, MANIFEST_NAME), "rb") as handle:
+        directory = PinnedDirectory(path)
+    except CkptdError:
+        return None
+    try:
+        fd = directory.open(MANIFEST_NAME, follow_symlinks=False)
+        with open(fd, "rb") as handle:
             manifest_bytes = handle.read()
         manifest = Manifest.from_json(manifest_bytes, os.path.join(path, MANIFEST_NAME))
         for name, record in sorted(manifest.files.items()):
-            files.append((name, record.size, os.open(os.path.join(path, name), os.O_RDONLY | os.O_CLOEXEC)))
-    except (OSError, ValueError, CorruptCheckpointError):
+            files.append((name, record.size, directory.open(name, follow_symlinks=False)))
+    except (OSError, ValueError, CkptdError) as e:
+        if isinstance(e, UnsafeCheckpointError):
+            logger.warning("ckptd: not sending %s: %s", path, e)
         for _, _, fd in files:
             os.close(fd)
         return None
+    finally:
+        directory.close()
     return manifest_bytes, files
 
 

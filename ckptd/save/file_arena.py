@@ -35,6 +35,7 @@ import contextlib
 import mmap
 import os
 import secrets
+import stat
 import threading
 from collections.abc import Iterator
 
@@ -71,6 +72,13 @@ def arena_directory(root: str) -> str:
         pass
     except OSError as e:
         raise ConfigError(f"cannot create the staging directory {directory} of held root {root}: {e}") from e
+    try:
+        info = os.lstat(directory)
+    except OSError as e:
+        raise ConfigError(f"cannot use the staging directory {directory} of held root {root}: {e}") from e
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        what = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a directory of this user"
+        raise ConfigError(f"the staging directory {directory} of held root {root} is {what}: remove it")
     return directory
 
 

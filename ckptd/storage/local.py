@@ -395,6 +395,8 @@ def open_recycled(spare: str, path: str, size: int) -> int | None:
     """``spare`` renamed to ``path`` (which must not exist) and opened for writing, grown to
     ``size``; ``None`` if it is gone, larger than ``size`` (a file never shrinks under a reader
     that may have it mapped: that would be SIGBUS there) or linked elsewhere too."""
+    if os.path.islink(os.path.dirname(spare)):
+        return None  # the spare directory is a symlink: not the root's files
     try:
         info = os.lstat(spare)
         # A file with other links is shared with a kept checkpoint (an incremental save linked it)

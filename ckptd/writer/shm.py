@@ -17,12 +17,17 @@ This module imports nothing heavy: the writer process uses it too.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import logging
 import mmap
 import os
 import secrets
+import stat
 
 from ..errors import StorageError, WriterError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["SharedSegment", "remove_abandoned_files"]
 
@@ -120,28 +125,38 @@ class SharedSegment:
 def remove_abandoned_files(directory: str) -> list[str]:
     """Unlink the files of ``directory`` (staging files of :meth:`SharedSegment.create_file`)
     that no live process holds: their creator died without closing them.  Returns the names.
-    A checkpoint that links one keeps its bytes."""
+    A checkpoint that links one keeps its bytes.  A ``directory`` that is a symlink is not
+    followed (nothing is removed, with a warning): its files are not the root's."""
     removed: list[str] = []
     try:
-        names = os.listdir(directory)
-    except OSError:
+        directory_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(directory):
+            logger.warning("ckptd: %s is a symlink, not a staging directory of the root: left alone", directory)
         return removed
-    for name in names:
-        path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # held: its creator (or the writer it handed it to) is alive
-        else:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                removed.append(name)
-        finally:
-            os.close(fd)
+    try:
+        names = os.listdir(directory_fd)
+        for name in names:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=directory_fd)
+            except OSError:
+                continue
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # held: its creator (or the writer it handed it to) is alive
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=directory_fd)
+                    removed.append(name)
+            finally:
+                os.close(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(directory_fd)
     return removed
 
 

@@ -80,7 +80,11 @@ def test_files_written_in_parts_by_several_ranks_combine_from_one_spread_per_ran
         owners = [rng.randrange(ranks) for _ in bounds[1:]]
         spreads = []
         for owner in range(ranks):
-            runs = [(a, crc32c(data[a:b]), b - a) for a, b, o in zip(bounds, bounds[1:], owners) if o == owner]
+            runs = [
+                (a, crc32c(data[a:b]), b - a)
+                for a, b, o in zip(bounds[:-1], bounds[1:], owners, strict=True)
+                if o == owner
+            ]
             if runs:
                 spreads.append(crc32c_spread(runs))
         assert crc32c_overlay(spreads, size) == reference.crc32c(data)
