@@ -100,9 +100,11 @@ def test_crc32c_combine_moves_past_every_power_of_two_and_mixed_lengths():
     rng = random.Random(5)
     head = os.urandom(29)
     zeros = bytes(1 << 26)
-    lengths = [1 << bit for bit in range(27)] + [(1 << 26) - 1, 0x2AAAAAA, 0x1555555] + [
-        rng.randrange(1, 1 << 26) for _ in range(8)
-    ]
+    lengths = (
+        [1 << bit for bit in range(27)]
+        + [(1 << 26) - 1, 0x2AAAAAA, 0x1555555]
+        + [rng.randrange(1, 1 << 26) for _ in range(8)]
+    )
     for length in lengths:
         tail = zeros[:length] if length > 4096 else os.urandom(length)
         expected = crc32c(tail, crc32c(head))
