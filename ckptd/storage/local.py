@@ -363,7 +363,9 @@ class LocalStorage:
 
     def publish_directory(self, staging: str, final: str) -> None:
         """fsync ``staging`` (and its subdirectories), rename it to ``final`` and fsync the parent:
-        the local commit point."""
+        the local commit point.  A ``staging`` that is now a symlink (swapped in while the save
+        wrote) is not published: the checkpoint would be what it leads to."""
+        _check_not_linked(staging, final)
         self._fsync_directories(staging)
         try:
             self.rename_directory(staging, final)
@@ -384,11 +386,19 @@ class LocalStorage:
         """Atomically swap ``staging`` (fsynced first) with the existing ``final``, then fsync
         the parent: ``final`` is the new directory and ``staging`` holds the old one.  Returns
         False, having changed nothing, where the filesystem cannot exchange."""
+        _check_not_linked(staging, final)
         self._fsync_directories(staging)
         if not exchange_paths(staging, final):
             return False
         self.fsync_directory(os.path.dirname(final) or ".")
         return True
+
+
+def _check_not_linked(staging: str, final: str) -> None:
+    """Refuse to publish a staging directory that became a symlink while the save wrote into it
+    (the checkpoint would be whatever it leads to)."""
+    if os.path.islink(staging.rstrip(os.sep)):
+        raise StorageError(f"{staging}: the staging directory was replaced by a symlink; not published as {final}")
 
 
 def open_recycled(spare: str, path: str, size: int) -> int | None:

@@ -20,9 +20,10 @@ from conftest import assert_same
 
 import ckptd
 from ckptd.compat import forgather
-from ckptd.errors import ConfigError
+from ckptd.errors import ConfigError, StorageError
 from ckptd.formats.names import ARENAS_NAME, SPARE_NAME, match_leftover_name
 from ckptd.replicas.transfer import _open_checkpoint
+from ckptd.storage import LocalStorage
 from ckptd.storage.held import held_path
 
 SHARD = "model-00001-of-00001.safetensors"
@@ -201,3 +202,21 @@ def test_a_leftover_name_whose_base_is_no_entry_of_the_root_is_not_a_leftover(na
     the kernel, but every collection then failed)."""
     assert match_leftover_name(name) is None
     assert match_leftover_name(".checkpoint-3.replaced-0a1b")["base"] == "checkpoint-3"
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "overwrite"])
+def test_a_staging_directory_swapped_for_a_link_is_not_published(tmp_path, existing):
+    """A save's staging directory replaced by a link while the writer wrote (a race an adversarial
+    pass won): publishing renamed the link into place, a checkpoint that was what it led to."""
+    outside, contents = precious_directory(str(tmp_path))
+    staging, final = str(tmp_path / ".checkpoint-1.tmp-0a1b"), str(tmp_path / "checkpoint-1")
+    os.symlink(outside, staging)
+    storage = LocalStorage()
+    with pytest.raises(StorageError, match="replaced by a symlink"):
+        if existing:
+            os.mkdir(final)
+            storage.exchange_directories(staging, final)
+        else:
+            storage.publish_directory(staging, final)
+    assert os.path.islink(staging) and (os.path.isdir(final) and not os.path.islink(final)) == existing
+    assert unchanged(outside, contents)
