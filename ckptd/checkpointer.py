@@ -285,12 +285,15 @@ class Checkpointer:
             raise ConfigError(f"step must be an int, 'latest' or a path, got {step!r}")
         if isinstance(step, int):
             found = find_step(self.storage, self.root, step)  # zero-padded names too
-            if found is None and is_linked_checkpoint(self.storage, self.path_for(step)):
+            if found is not None:
+                return found
+            path = self.path_for(step)
+            if is_linked_checkpoint(self.storage, path):
                 raise UnsafeCheckpointError(
-                    f"{self.path_for(step)} is a symlink: a checkpoint under a root must be a directory of the root; "
+                    f"{path} is a symlink: a checkpoint under a root must be a directory of the root; "
                     "load the link by its path to follow it"
                 )
-            return found or self.path_for(step)
+            return path
         path = os.fspath(step)
         return local_path(path) if is_local(path) and self.storage.local else path
 
