@@ -10,8 +10,11 @@ results through the store and as many combines, where it was W x 1,000 of each.
 
 Whether the pieces cover each file exactly once is checked where the pieces are known: a rank
 checks that it wrote exactly the pieces of its plan (whose pieces the coordinator planned and
-checked for gaps and overlaps), and the coordinator that each file's bytes add up to its size;
-per-piece results (a rank's whole files, older callers) are still checked piece by piece.
+checked for gaps and overlaps), and the coordinator that each file's bytes add up to its size.
+A file with no folded result (written whole by one rank, or made from an earlier checkpoint) is
+checked piece by piece as before; beside folded results, a piece reported alone (one rank's
+write of a file from its start, while another rank folded the empty piece of a zero-element
+tensor at its end) counts as that rank's spread.
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ def combine_pieces(
         if any(r.spread_end for r in results_of_file):
             records[name] = FileRecord(file.size, format_crc(_combine_spreads(name, file.size, results_of_file)))
             continue
-        pieces = sorted(results_of_file, key=lambda r: r.file_offset)
+        pieces = sorted(results_of_file, key=lambda r: (r.file_offset, r.size))  # an empty piece first
         position = 0
         for piece in pieces:
             if piece.file_offset != position:
@@ -124,10 +127,17 @@ def combine_pieces(
 
 
 def _combine_spreads(name: str, size: int, results: Sequence[FileResult]) -> int:
-    """The CRC32C of a shared file from the ranks' folded results (one per rank that wrote any)."""
-    if not all(r.spread_end for r in results):
-        raise CorruptCheckpointError(f"{name}: a rank reported its pieces one by one where the others folded theirs")
+    """The CRC32C of a shared file from the ranks' folded results (one per rank that wrote any),
+    and from pieces reported one by one beside them (a rank's piece that covers the file from
+    its start is a whole-file write, reported as such, while another rank's empty piece of a
+    zero-element tensor at its end was folded)."""
+    spreads = []
+    for r in results:
+        end = r.spread_end if r.spread_end else r.file_offset + r.size
+        if end > size or r.size > end:
+            raise CorruptCheckpointError(f"{name}: a rank reported bytes up to {end} of a {size}-byte file")
+        spreads.append((r.crc32c, r.spread_end) if r.spread_end else crc32c_spread([(r.file_offset, r.crc32c, r.size)]))
     written = sum(r.size for r in results)
-    if written != size or any(r.spread_end > size or r.size > r.spread_end for r in results):
+    if written != size:
         raise CorruptCheckpointError(f"{name}: {written} of {size} bytes were written")
-    return crc32c_overlay(((r.crc32c, r.spread_end) for r in results), size)
+    return crc32c_overlay(spreads, size)
