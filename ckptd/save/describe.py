@@ -109,8 +109,15 @@ class Describer:
         if self.dist is not None and self.dist.world_size > 1 and self.storage.local:
             meshes = {}
         for flat in flats:
-            descriptions = _describe(flat, self._described.get(flat.name), meshes)
-            described[flat.name] = descriptions
+            described[flat.name] = _describe(flat, self._described.get(flat.name), meshes)
+        if meshes and _mixes_grids_and_boxes(described.values()):
+            # A sharded tensor with explicit boxes (a Shard(1) DTensor, a ShardedTensor) makes each
+            # rank's layout its own, and a grid tensor would then be planned whole by every rank:
+            # the whole state is described by boxes, as without grids (O(ranks x tensors) planning).
+            meshes = None
+            described = {flat.name: _describe(flat, None, None) for flat in flats}
+        for flat in flats:
+            descriptions = described[flat.name]
             locals_.extend(descriptions)
             qualified = "@" in flat.name
             if self.is_coordinator or qualified:
@@ -161,6 +168,12 @@ def _describe(
                 )
             )
     return out
+
+
+def _mixes_grids_and_boxes(described: Iterable[list[LocalTensor]]) -> bool:
+    """Whether some sharded tensors got a grid and others explicit boxes."""
+    kinds = {t.grid is not None for descriptions in described for t in descriptions if t.sharded}
+    return len(kinds) == 2
 
 
 def _grid(placement: Placement, meshes: dict[Any, tuple[int, ...]] | None) -> Grid | None:

@@ -167,3 +167,41 @@ def test_an_incremental_save_links_a_frozen_file_the_mesh_wrote_in_row_blocks(tm
     manifest = json.loads(open(os.path.join(results[0]["path"], "checkpoint_manifest.json")).read())
     linked = {n for n, f in manifest["files"].items() if f.get("reused") == "link"}
     assert any(n.startswith("sharded-") for n in linked), manifest["files"]
+
+
+def save_rows_and_columns(rank: int, world: int, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    placements = {"rows": [Shard(0)], "columns": [Shard(1)], "copy": [Replicate()]}
+
+    def mixed(step: int) -> dict[str, object]:
+        full = full_tensors(step)
+        return {
+            "model": {
+                name: distribute_tensor(full["wq"] + i, mesh, p) for i, (name, p) in enumerate(placements.items())
+            }
+        }
+
+    with ckptd.Checkpointer(root, dist_timeout=60) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, mixed(step))
+        targets = mixed(0)
+        ckpt.load(2, into=targets)
+    for i, name in enumerate(placements):
+        assert_same(full_tensors(2)["wq"] + i, targets["model"][name].full_tensor(), name)
+
+
+def test_row_blocks_beside_column_shards_are_all_described_by_boxes(tmp_path):
+    """A ``Shard(1)`` DTensor is described by explicit boxes, which makes every rank's layout its
+    own; grids beside it were then planned whole by each rank ("the pieces of rank 0 and rank 1
+    overlap", found by a randomized pass): a state with both is now described by boxes alone."""
+    root = str(tmp_path / "ckpts")
+    run_ranks(2, save_rows_and_columns, root)
+    path = os.path.join(root, "checkpoint-2")
+    with CheckpointReader.open(path) as reader:
+        reader.verify()
+    loaded = ckptd.load_checkpoint(path)
+    for i, name in enumerate(("rows", "columns", "copy")):
+        assert_same(full_tensors(2)["wq"] + i, loaded[name], name)
