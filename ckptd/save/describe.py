@@ -115,7 +115,7 @@ class Describer:
             # rank's layout its own, and a grid tensor would then be planned whole by every rank:
             # the whole state is described by boxes, as without grids (O(ranks x tensors) planning).
             meshes = None
-            described = {flat.name: _describe(flat, None, None) for flat in flats}
+            described = {flat.name: _describe(flat) if flat.placements else described[flat.name] for flat in flats}
         for flat in flats:
             descriptions = described[flat.name]
             locals_.extend(descriptions)
